@@ -1,0 +1,40 @@
+"""The Comm protocol: the only way strategies move tensors between workers.
+
+Every tensor has a leading worker axis: [W, ...] in the simulator (all workers
+in one process), [1, ...] in a torch.distributed process. ``rows`` says which
+global workers the local rows are, so a strategy indexes the global delivery
+masks with it and the same line of code runs on both backends.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+def block_sizes(dim: int, num_blocks: int) -> list[int]:
+    """Splits ``dim`` values into ``num_blocks`` contiguous blocks as equal as possible (larger ones first)."""
+    base, extra = divmod(dim, num_blocks)
+    return [base + 1] * extra + [base] * (num_blocks - extra)
+
+
+class Comm(Protocol):
+    num_workers: int
+    """W, the number of workers in the whole run."""
+    rows: torch.Tensor
+    """int64 [w]: the global worker index of each local row."""
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Exact average over all W workers (a reliable all-reduce), returned on every local row."""
+        ...
+
+    def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """The two-phase exchange of RPS (Yu et al. 2019) over a lossy network.
+
+        x [w, D] is cut into W blocks; worker j serves block j. Phase 1: server j
+        averages block j over the senders i with ``up[i, j]`` (its own always
+        arrives). Phase 2: worker i takes server j's average where ``down[j, i]``,
+        and keeps its own block j otherwise.
+        """
+        ...

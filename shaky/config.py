@@ -1,0 +1,339 @@
+"""Run configuration: frozen, validated dataclasses read from TOML plus CLI overrides.
+
+Every field has a docstring, units live in names (``latency_ms``), and every
+check raises ``ValueError``/``TypeError`` naming the dotted field and the value
+(``network.drop_rate must be in [0, 1), got 1.5``). The resolved configuration
+is written as TOML into every run directory, and ``--resume`` reads it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import tomli_w
+
+Matrix = tuple[tuple[float, ...], ...]
+"""A per-link matrix [W, W]: entry [i][j] describes the link from worker i to worker j."""
+
+STRATEGIES = ("allreduce", "lossy-allreduce", "rps")
+BACKENDS = ("sim", "dist")
+DTYPES = ("float32", "float64")
+
+
+def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False,
+                 hi_open: bool = False) -> None:
+    ok_lo = value > lo if lo_open else value >= lo
+    ok_hi = value < hi if hi_open else value <= hi
+    if not (ok_lo and ok_hi) or math.isnan(value):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_scalar_or_matrix(name: str, value: float | Matrix, lo: float, hi: float, *,
+                            lo_open: bool = False, hi_open: bool = False) -> None:
+    if isinstance(value, tuple):
+        n = len(value)
+        for i, row in enumerate(value):
+            if len(row) != n:
+                raise ValueError(f"{name} must be a square matrix; row {i} has {len(row)} "
+                                 f"entries, expected {n}")
+            for j, v in enumerate(row):
+                _check_range(f"{name}[{i}][{j}]", v, lo, hi, lo_open=lo_open, hi_open=hi_open)
+    else:
+        _check_range(name, value, lo, hi, lo_open=lo_open, hi_open=hi_open)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    dataset: str = "digits"
+    """digits, iris, wine, breast_cancer, mnist1d, cifar10 (needs path) or text (needs path)."""
+    path: str = ""
+    """CIFAR-10 python-batch directory, or a ``label<TAB>text`` file for ``text``."""
+    partition: str = "iid"
+    """How training samples are split across workers: iid or dirichlet (label-skewed)."""
+    dirichlet_alpha: float = 0.5
+    """Concentration of the Dirichlet label skew; smaller is more skewed."""
+    test_fraction: float = 0.2
+    """Fraction held out for testing (ignored by cifar10, which ships a test split)."""
+    max_len: int = 32
+    """Tokens per sentence for the text data set (truncated or padded)."""
+
+    def __post_init__(self) -> None:
+        from shaky.data import DATASETS, PARTITIONS  # noqa: PLC0415 (data imports torch; keep config light)
+
+        _check_choice("data.dataset", self.dataset, DATASETS)
+        _check_choice("data.partition", self.partition, PARTITIONS)
+        _check_range("data.dirichlet_alpha", self.dirichlet_alpha, 0.0, math.inf, lo_open=True)
+        _check_range("data.test_fraction", self.test_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+        if self.max_len < 1:
+            raise ValueError(f"data.max_len must be >= 1, got {self.max_len}")
+        if self.dataset in ("cifar10", "text") and not self.path:
+            raise ValueError(f"data.path must name a local {'directory' if self.dataset == 'cifar10' else 'file'} "
+                             f"for dataset {self.dataset}; got ''")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    name: str = "mlp"
+    """logreg, mlp, cnn, resnet20 ... resnet110 (depth 6n+2), or lstm."""
+    hidden: int = 0
+    """Hidden width of mlp and lstm; 0 picks the model's default (128)."""
+
+    def __post_init__(self) -> None:
+        from shaky.models import MODELS  # noqa: PLC0415
+
+        _check_choice("model.name", self.name, MODELS)
+        if self.hidden < 0:
+            raise ValueError(f"model.hidden must be >= 0, got {self.hidden}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 0.1
+    """Peak learning rate of SGD."""
+    momentum: float = 0.0
+    """Heavy-ball momentum, kept per worker (0 in the RPS paper)."""
+    weight_decay: float = 0.0
+    """L2 penalty added to each gradient (0 in the RPS paper)."""
+    warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up from lr/warmup_steps to lr."""
+    decay_steps: tuple[int, ...] = ()
+    """Steps at which the learning rate is multiplied by decay_factor."""
+    decay_factor: float = 0.1
+    """Multiplier applied at each of decay_steps."""
+
+    def __post_init__(self) -> None:
+        _check_range("optim.lr", self.lr, 0.0, math.inf, lo_open=True, hi_open=True)
+        _check_range("optim.momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        _check_range("optim.weight_decay", self.weight_decay, 0.0, math.inf, hi_open=True)
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if any(s < 1 for s in self.decay_steps) or list(self.decay_steps) != sorted(self.decay_steps):
+            raise ValueError(f"optim.decay_steps must be increasing positive steps, got {list(self.decay_steps)}")
+        _check_range("optim.decay_factor", self.decay_factor, 0.0, 1.0, lo_open=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StrategyConfig:
+    name: str = "rps"
+    """allreduce (reliable gradient averaging), lossy-allreduce, or rps."""
+
+    def __post_init__(self) -> None:
+        _check_choice("strategy.name", self.name, STRATEGIES)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NetworkConfig:
+    preset: str = ""
+    """A named network (lan, lossy); fields set beside it override the preset's values."""
+    drop_rate: float | Matrix = 0.0
+    """Probability that one message is lost: one number for every link, or a [W][W] matrix."""
+    latency_ms: float | Matrix = 0.05
+    """One-way latency of a link, in milliseconds."""
+    bandwidth_mbps: float | Matrix = 10000.0
+    """Bandwidth of a link, in megabits per second."""
+    burst_enter: float = 0.0
+    """Gilbert-Elliott bursty loss: chance per message slot that a good link turns bad (0 = no bursts)."""
+    burst_exit: float = 0.5
+    """Chance per message slot that a bad link recovers; the mean burst lasts 1/burst_exit slots."""
+    burst_drop_rate: float = 1.0
+    """Drop probability while a link is in the bad state."""
+    retransmit_timeout_ms: float = 200.0
+    """What a reliable transport waits before resending a lost message (Linux's minimum RTO)."""
+    compute_ms: float = -1.0
+    """Simulated compute time of one worker's step; negative means measure it on this machine."""
+    trace: str = ""
+    """A run directory whose recorded delivery masks are replayed instead of sampled."""
+
+    def __post_init__(self) -> None:
+        from shaky.network.presets import PRESETS  # noqa: PLC0415
+
+        if self.preset:
+            _check_choice("network.preset", self.preset, tuple(PRESETS))
+        _check_scalar_or_matrix("network.drop_rate", self.drop_rate, 0.0, 1.0, hi_open=True)
+        _check_scalar_or_matrix("network.latency_ms", self.latency_ms, 0.0, math.inf, hi_open=True)
+        _check_scalar_or_matrix("network.bandwidth_mbps", self.bandwidth_mbps, 0.0, math.inf,
+                                lo_open=True, hi_open=True)
+        _check_range("network.burst_enter", self.burst_enter, 0.0, 1.0)
+        _check_range("network.burst_exit", self.burst_exit, 0.0, 1.0, lo_open=True)
+        _check_range("network.burst_drop_rate", self.burst_drop_rate, 0.0, 1.0)
+        _check_range("network.retransmit_timeout_ms", self.retransmit_timeout_ms, 0.0, math.inf,
+                     hi_open=True)
+        if math.isnan(self.compute_ms) or math.isinf(self.compute_ms):
+            raise ValueError(f"network.compute_ms must be a finite number, got {self.compute_ms!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    seed: int = 0
+    """Seeds everything: data split, shards, initial model, mini-batches and the network."""
+    num_workers: int = 8
+    """Number of workers W (and, for RPS, of block servers)."""
+    steps: int = 600
+    """Training steps (rounds) per worker."""
+    batch_size: int = 32
+    """Mini-batch size per worker per step."""
+    eval_every: int = 50
+    """Evaluate (and write a metrics.jsonl line) every this many steps, and at the end."""
+    checkpoint_every: int = 0
+    """Write a resumable checkpoint every this many steps (0 = only at the end)."""
+    backend: str = "sim"
+    """sim: all workers in this process; dist: one worker per torch.distributed process."""
+    dtype: str = "float32"
+    """Parameter precision: float32 or float64."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        for name in ("steps", "batch_size", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        for name in ("drop_rate", "latency_ms", "bandwidth_mbps"):
+            value = getattr(self.network, name)
+            if isinstance(value, tuple) and len(value) != self.num_workers:
+                raise ValueError(f"network.{name} is a {len(value)}x{len(value)} matrix but "
+                                 f"num_workers is {self.num_workers}")
+
+
+# ---------------------------------------------------------------------------
+# Building a RunConfig from nested dicts (TOML) with strict keys and types.
+
+def _is_matrix_type(tp: Any) -> bool:
+    return tp == Matrix or (typing.get_origin(tp) in (Union, types.UnionType) and Matrix in typing.get_args(tp))
+
+
+def _convert(name: str, value: Any, tp: Any) -> Any:
+    """Checks ``value`` against the annotation ``tp`` and converts lists to tuples."""
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be a table of settings, got {value!r}")
+        return _build(tp, value, prefix=f"{name}.")
+    if _is_matrix_type(tp):
+        if isinstance(value, list):
+            if not all(isinstance(r, list) for r in value):
+                raise TypeError(f"{name} must be a number or a list of lists of numbers, got {value!r}")
+            return tuple(tuple(_convert(f"{name}[{i}]", v, float) for v in row) for i, row in enumerate(value))
+        return _convert(name, value, float)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a string, got {value!r}")
+        return value
+    if typing.get_origin(tp) is tuple:
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a list, got {value!r}")
+        return tuple(_convert(f"{name}[{i}]", v, item_tp) for i, v in enumerate(value))
+    raise TypeError(f"{name}: unsupported setting type {tp!r}")  # a programming error, not user input
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]} is not a setting (known in {prefix.rstrip('.') or 'the top level'}: "
+                         f"{', '.join(sorted(names))})")
+    if cls is NetworkConfig and values.get("preset"):
+        from shaky.network.presets import PRESETS  # noqa: PLC0415
+
+        preset = values["preset"]
+        if not isinstance(preset, str) or preset not in PRESETS:
+            raise ValueError(f"network.preset must be one of {', '.join(PRESETS)}; got {preset!r}")
+        values = {**PRESETS[preset], **values}
+    kwargs = {k: _convert(f"{prefix}{k}", v, hints[k]) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    """Builds and validates a RunConfig from nested dicts; unknown keys and wrong types are errors."""
+    return _build(RunConfig, values)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Reads a TOML file into nested dicts, with errors that name the file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"config file {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+
+
+def set_dotted(values: dict[str, Any], key: str, value: Any) -> None:
+    """Sets ``a.b.c = value`` inside nested dicts, creating tables on the way."""
+    *parents, leaf = key.split(".")
+    node = values
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"{key}: {part} is a value, not a table")
+        node = child
+    node[leaf] = value
+
+
+def parse_value(text: str) -> Any:
+    """Parses a ``--set`` value as a TOML value (``0.1``, ``[1, 2]``, ``"x"``), else as a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as nested plain dicts/lists (tuples become lists), ready for TOML or JSON."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v
+    return plain(cfg)
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML text; reading it back gives an equal config."""
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def replace(cfg: RunConfig, **changes: Any) -> RunConfig:
+    """``dataclasses.replace`` that also accepts dotted keys (``network__drop_rate``) for nested sections."""
+    values = to_dict(cfg)
+    for key, value in changes.items():
+        set_dotted(values, key.replace("__", "."), to_dict(value) if dataclasses.is_dataclass(value) else value)
+    return config_from_dict(values)

@@ -1,0 +1,381 @@
+"""Data sets and their partition across workers.
+
+Every data set here is available offline: the small sklearn sets are bundled,
+MNIST-1D is generated locally, and CIFAR-10 and the text set are read from a
+user-supplied path. All randomness (splits, shards) flows from a ``seed``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import random
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from sklearn import datasets as skdatasets
+from sklearn.model_selection import train_test_split
+
+DATASETS: tuple[str, ...] = ("digits", "iris", "wine", "breast_cancer", "mnist1d", "cifar10", "text")
+PARTITIONS: tuple[str, ...] = ("iid", "dirichlet")
+
+PAD_ID = 0
+UNK_ID = 1
+
+_SKLEARN_LOADERS: dict[str, Callable[..., Any]] = {
+    "digits": skdatasets.load_digits,
+    "iris": skdatasets.load_iris,
+    "wine": skdatasets.load_wine,
+    "breast_cancer": skdatasets.load_breast_cancer,
+}
+_CIFAR_HINT = "a CIFAR-10 directory (data_batch_1..5, test_batch)"
+# Generating MNIST-1D takes a couple of seconds; one process does it once.
+_MNIST1D_CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Dataset:
+    """A train/test split ready for training.
+
+    Attributes:
+        name: Data set name, one of ``DATASETS``.
+        x_train: Float32 features ``[N, *input_shape]``; for text, int64 token
+            ids ``[N, max_len]`` with 0 as padding.
+        y_train: Int64 labels ``[N]``.
+        x_test: Test features, same layout as ``x_train``.
+        y_test: Int64 test labels.
+        input_shape: Per-sample shape, e.g. ``(64,)`` or ``(3, 32, 32)``.
+        num_classes: Number of classes.
+        vocab_size: Text only: number of token ids, including padding and unknown.
+        classes: Class names (text labels, otherwise ``str(i)``).
+    """
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    input_shape: tuple[int, ...]
+    num_classes: int
+    vocab_size: int = 0
+    classes: tuple[str, ...] = ()
+
+
+def load_dataset(
+    name: str, *, seed: int, path: str = "", test_fraction: float = 0.2, max_len: int = 32
+) -> Dataset:
+    """Loads a data set and splits it into train and test by ``seed``.
+
+    Args:
+        name: One of ``DATASETS``.
+        seed: Seed of the train/test split (ignored by cifar10's fixed split).
+        path: CIFAR-10 directory or text file; unused by the other sets.
+        test_fraction: Fraction of samples held out for testing, in (0, 1);
+            ignored by cifar10, which ships its own test split.
+        max_len: Text only: token ids per sentence after truncation/padding.
+
+    Returns:
+        The loaded ``Dataset``.
+
+    Raises:
+        ValueError: If any argument is invalid or the data cannot be read.
+        TypeError: If an argument has the wrong type.
+    """
+    if name not in DATASETS:
+        raise ValueError(f"data.dataset must be one of {', '.join(DATASETS)}; got {name!r}")
+    _check_seed(seed)
+    if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)):
+        raise TypeError(f"data.test_fraction must be a number; got {test_fraction!r}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"data.test_fraction must be in (0, 1); got {test_fraction!r}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int):
+        raise TypeError(f"data.max_len must be an integer; got {max_len!r}")
+    if max_len < 1:
+        raise ValueError(f"data.max_len must be >= 1; got {max_len}")
+    if name in _SKLEARN_LOADERS:
+        x, y = _SKLEARN_LOADERS[name](return_X_y=True)
+        return _dense(name, *_split(x, y, test_fraction, seed, stratify=True))
+    if name == "mnist1d":
+        x, y = _mnist1d()
+        return _dense(name, *_split(x, y, test_fraction, seed, stratify=True), standardize=False)
+    if name == "cifar10":
+        return _load_cifar10(path)
+    return _load_text(path, seed, test_fraction, max_len)
+
+
+def partition(
+    labels: np.ndarray, num_workers: int, *, kind: str = "iid", seed: int, alpha: float = 0.5
+) -> list[np.ndarray]:
+    """Splits the training indices among workers.
+
+    Args:
+        labels: Integer training labels ``[N]``.
+        num_workers: Number of shards, between 1 and ``N``.
+        kind: ``"iid"`` (uniform random) or ``"dirichlet"`` (label-skewed).
+        seed: Seed of every random choice.
+        alpha: Dirichlet concentration; smaller means more skew.
+
+    Returns:
+        One sorted int64 index array per worker; the arrays are disjoint, cover
+        ``range(N)`` and none is empty.
+
+    Raises:
+        ValueError: If an argument is out of range.
+        TypeError: If ``num_workers`` is not an integer.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be one-dimensional; got shape {labels.shape}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)):
+        raise TypeError(f"num_workers must be an integer; got {num_workers!r}")
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1; got {num_workers}")
+    n = len(labels)
+    if num_workers > n:
+        raise ValueError(
+            f"num_workers ({num_workers}) is larger than the number of training samples ({n}) "
+            "of the data set; every worker needs at least one sample"
+        )
+    if kind not in PARTITIONS:
+        raise ValueError(f"data.partition must be one of {', '.join(PARTITIONS)}; got {kind!r}")
+    # Validated even for iid so that a bad config fails whichever partition it picks.
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
+        math.isfinite(alpha) and alpha > 0
+    ):
+        raise ValueError(f"data.dirichlet_alpha must be a finite number > 0; got {alpha!r}")
+    _check_seed(seed)
+    rng = np.random.default_rng(seed)
+    if kind == "iid":
+        shards = np.array_split(rng.permutation(n), num_workers)
+    else:
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_workers)]
+        for c in np.unique(labels):
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            props = rng.dirichlet(np.full(num_workers, float(alpha)))
+            cuts = (np.cumsum(props)[:-1] * len(idx)).astype(np.int64)
+            for w, piece in enumerate(np.split(idx, cuts)):
+                parts[w].append(piece)
+        shards = [np.concatenate(p) for p in parts]
+        # A worker with no data cannot take a step; since num_workers <= N the
+        # largest shard always has a sample to spare.
+        for w in range(num_workers):
+            if len(shards[w]) == 0:
+                big = int(np.argmax([len(s) for s in shards]))
+                shards[w], shards[big] = shards[big][-1:], shards[big][:-1]
+    return [np.sort(s).astype(np.int64) for s in shards]
+
+
+def shard_summary(shards: list[np.ndarray], labels: np.ndarray, num_classes: int) -> list[dict]:
+    """Describes each worker's shard in plain Python types, for a run directory.
+
+    Args:
+        shards: Index arrays as returned by ``partition``.
+        labels: Training labels the indices refer to.
+        num_classes: Length of each ``class_counts`` list.
+
+    Returns:
+        Per worker ``{"worker": i, "num_samples": n, "class_counts": [...]}``.
+    """
+    labels = np.asarray(labels)
+    out = []
+    for i, shard in enumerate(shards):
+        counts = np.bincount(labels[shard], minlength=num_classes)
+        out.append({"worker": i, "num_samples": int(len(shard)), "class_counts": [int(c) for c in counts]})
+    return out
+
+
+def _check_seed(seed: int) -> None:
+    # numpy and sklearn both reject negative seeds, with less helpful messages.
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an integer; got {seed!r}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32); got {seed}")
+
+
+def _split(
+    x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int, *, stratify: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Seeded train/test split; returns ``x_train, y_train, x_test, y_test``."""
+    try:
+        x_tr, x_te, y_tr, y_te = train_test_split(
+            x, y, test_size=test_fraction, random_state=seed, stratify=y if stratify else None
+        )
+    except ValueError as err:
+        # sklearn refuses e.g. a test split smaller than the number of classes.
+        raise ValueError(
+            f"data.test_fraction {test_fraction!r} cannot split {len(y)} samples: {err}"
+        ) from err
+    return x_tr, y_tr, x_te, y_te
+
+
+def _standardize(train: np.ndarray, test: np.ndarray, axis: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Scales both splits with the train statistics so no test information leaks."""
+    mean = train.mean(axis=axis, keepdims=True)
+    std = train.std(axis=axis, keepdims=True)
+    std[std == 0] = 1.0  # constant features (e.g. digits' border pixels) stay at zero
+    return (train - mean) / std, (test - mean) / std
+
+
+def _dense(
+    name: str,
+    x_tr: np.ndarray,
+    y_tr: np.ndarray,
+    x_te: np.ndarray,
+    y_te: np.ndarray,
+    standardize: bool = True,
+) -> Dataset:
+    """Builds a ``Dataset`` of flat float features."""
+    x_tr, x_te = x_tr.astype(np.float64), x_te.astype(np.float64)
+    if standardize:
+        x_tr, x_te = _standardize(x_tr, x_te, axis=(0,))
+    num_classes = int(max(y_tr.max(), y_te.max())) + 1
+    return Dataset(
+        name=name,
+        x_train=torch.from_numpy(x_tr.astype(np.float32)),
+        y_train=torch.from_numpy(y_tr.astype(np.int64)),
+        x_test=torch.from_numpy(x_te.astype(np.float32)),
+        y_test=torch.from_numpy(y_te.astype(np.int64)),
+        input_shape=tuple(x_tr.shape[1:]),
+        num_classes=num_classes,
+        classes=tuple(str(i) for i in range(num_classes)),
+    )
+
+
+def _mnist1d() -> tuple[np.ndarray, np.ndarray]:
+    """Generates the canonical MNIST-1D (train and test merged), once per process."""
+    if "data" not in _MNIST1D_CACHE:
+        if "matplotlib.pyplot" not in sys.modules:
+            import matplotlib
+
+            # mnist1d imports pyplot; a headless run must not need a display.
+            matplotlib.use("Agg")
+        from mnist1d.data import get_dataset_args, make_dataset
+
+        # make_dataset reseeds numpy's and Python's global generators (to its
+        # canonical seed 42); put them back so callers see no side effect.
+        np_state, py_state = np.random.get_state(), random.getstate()
+        try:
+            raw = make_dataset(get_dataset_args())
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
+        x = np.concatenate([raw["x"], raw["x_test"]])
+        y = np.concatenate([raw["y"], raw["y_test"]]).astype(np.int64)
+        _MNIST1D_CACHE["data"] = (x, y)
+    return _MNIST1D_CACHE["data"]
+
+
+def _read_cifar_batch(path: str, fname: str) -> tuple[np.ndarray, np.ndarray]:
+    """Reads one CIFAR-10 python batch as ``uint8 [n, 3072]`` and ``int64 [n]``."""
+    try:
+        with open(os.path.join(path, fname), "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        data = np.asarray(batch[b"data"])
+        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    except Exception as err:  # unreadable, truncated or not a CIFAR pickle
+        raise ValueError(
+            f"data.path {path!r}: cannot read {fname} as a CIFAR-10 batch ({type(err).__name__}: {err})"
+        ) from err
+    if data.ndim != 2 or data.shape[1] != 3072 or labels.shape != (len(data),):
+        raise ValueError(
+            f"data.path {path!r}: {fname} has data of shape {data.shape} and {labels.size} labels; "
+            "expected [n, 3072] and n labels"
+        )
+    if labels.size and (labels.min() < 0 or labels.max() > 9):
+        raise ValueError(f"data.path {path!r}: {fname} has labels outside 0..9")
+    return data, labels
+
+
+def _load_cifar10(path: str) -> Dataset:
+    """Loads CIFAR-10 from its python-format directory, normalized per channel."""
+    if not path:
+        raise ValueError(f"data.path must point to {_CIFAR_HINT} for dataset cifar10; got {path!r}")
+    if not os.path.isdir(path):
+        raise ValueError(f"data.path must point to {_CIFAR_HINT}; {path!r} is not a directory")
+    names = [f"data_batch_{i}" for i in range(1, 6)]
+    train_files = [f for f in names if os.path.isfile(os.path.join(path, f))]
+    missing = [] if train_files else ["all of data_batch_1..5"]
+    if not os.path.isfile(os.path.join(path, "test_batch")):
+        missing.append("test_batch")
+    if missing:
+        raise ValueError(f"data.path {path!r} is not {_CIFAR_HINT}: missing {', '.join(missing)}")
+    batches = [_read_cifar_batch(path, f) for f in train_files]
+    x_te, y_te = _read_cifar_batch(path, "test_batch")
+    x_tr = np.concatenate([b[0] for b in batches])
+    y_tr = np.concatenate([b[1] for b in batches])
+    if len(x_tr) == 0 or len(x_te) == 0:
+        raise ValueError(f"data.path {path!r}: CIFAR-10 train or test batches are empty")
+
+    def to_images(d: np.ndarray) -> np.ndarray:
+        return d.reshape(-1, 3, 32, 32).astype(np.float32) / 255.0
+
+    x_tr, x_te = _standardize(to_images(x_tr), to_images(x_te), axis=(0, 2, 3))
+    return Dataset(
+        name="cifar10",
+        x_train=torch.from_numpy(np.ascontiguousarray(x_tr, dtype=np.float32)),
+        y_train=torch.from_numpy(y_tr),
+        x_test=torch.from_numpy(np.ascontiguousarray(x_te, dtype=np.float32)),
+        y_test=torch.from_numpy(y_te),
+        input_shape=(3, 32, 32),
+        num_classes=10,
+        classes=tuple(str(i) for i in range(10)),
+    )
+
+
+def _load_text(path: str, seed: int, test_fraction: float, max_len: int) -> Dataset:
+    """Loads a ``label<TAB>text`` file as padded token ids with a train vocabulary."""
+    if not path:
+        raise ValueError(f"data.path must point to a 'label<TAB>text' file for dataset text; got {path!r}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeError) as err:
+        raise ValueError(f"data.path {path!r} cannot be read as UTF-8 text: {err}") from err
+    texts: list[list[str]] = []
+    names: list[str] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        label, sep, text = line.partition("\t")
+        if not sep or not label.strip():
+            raise ValueError(
+                f"data.path {path!r} line {lineno}: expected 'label<TAB>text'; got {line[:80]!r}"
+            )
+        names.append(label.strip())
+        texts.append(text.lower().split())
+    if len(texts) < 2:
+        raise ValueError(f"data.path {path!r} has {len(texts)} samples; need at least 2")
+    classes = tuple(sorted(set(names)))
+    class_id = {c: i for i, c in enumerate(classes)}
+    y = np.array([class_id[n] for n in names], dtype=np.int64)
+    # Stratify only where sklearn can: every class needs a sample on each side.
+    n_test = math.ceil(test_fraction * len(y))
+    counts = np.bincount(y)
+    stratify = counts.min() >= 2 and min(n_test, len(y) - n_test) >= len(classes)
+    idx_tr, y_tr, idx_te, y_te = _split(np.arange(len(y)), y, test_fraction, seed, stratify=stratify)
+    freq = Counter(tok for i in idx_tr for tok in texts[i])
+    vocab = {tok: i + 2 for i, (tok, _) in enumerate(sorted(freq.items(), key=lambda kv: (-kv[1], kv[0])))}
+
+    def encode(indices: np.ndarray) -> torch.Tensor:
+        out = np.full((len(indices), max_len), PAD_ID, dtype=np.int64)
+        for row, i in enumerate(indices):
+            ids = [vocab.get(tok, UNK_ID) for tok in texts[i]] or [UNK_ID]
+            out[row, : min(len(ids), max_len)] = ids[:max_len]
+        return torch.from_numpy(out)
+
+    return Dataset(
+        name="text",
+        x_train=encode(idx_tr),
+        y_train=torch.from_numpy(y_tr),
+        x_test=encode(idx_te),
+        y_test=torch.from_numpy(y_te),
+        input_shape=(max_len,),
+        num_classes=len(classes),
+        vocab_size=len(vocab) + 2,
+        classes=classes,
+    )

@@ -1,0 +1,142 @@
+"""A seeded model of an unreliable network: which messages of a round arrive.
+
+Every round has two message slots, the two phases of a block exchange:
+``up[i, j]`` says whether worker i's message to server j arrived (phase 1) and
+``down[j, i]`` whether server j's message to worker i arrived (phase 2). A
+worker's message to itself never travels, so the diagonals are always True.
+
+``sample(round)`` is a pure function of (seed, round): every rank of a
+torch.distributed run and the simulator draw the same masks, so runs replay bit
+for bit. With Gilbert-Elliott bursts each link is a two-state Markov chain over
+message slots; the chain is replayed from slot 0 whenever a caller asks for an
+earlier round than the last one, so purity holds there too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shaky.config import Matrix, NetworkConfig
+
+# Keeps the network's random stream apart from every other stream seeded by the run seed.
+_NETWORK_STREAM = 0x6E6574
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSample:
+    """Delivery masks of one round (bool [W, W] each; True = delivered)."""
+
+    round: int
+    up: torch.Tensor
+    """up[i, j]: worker i's message to server j arrived (phase 1)."""
+    down: torch.Tensor
+    """down[j, i]: server j's message to worker i arrived (phase 2)."""
+
+
+def as_matrix(value: float | Matrix, num_workers: int) -> np.ndarray:
+    """A scalar or [W][W] setting as a float64 [W, W] array."""
+    if isinstance(value, tuple):
+        return np.asarray(value, dtype=np.float64)
+    return np.full((num_workers, num_workers), float(value))
+
+
+class NetworkModel:
+    """Per-link drop probabilities (optionally bursty), latency and bandwidth for W workers."""
+
+    def __init__(self, cfg: NetworkConfig, num_workers: int, seed: int) -> None:
+        self.num_workers = num_workers
+        self.seed = seed
+        self.drop = as_matrix(cfg.drop_rate, num_workers)
+        self.latency_ms = as_matrix(cfg.latency_ms, num_workers)
+        self.bandwidth_mbps = as_matrix(cfg.bandwidth_mbps, num_workers)
+        self.burst_enter = cfg.burst_enter
+        self.burst_exit = cfg.burst_exit
+        self.burst_drop = cfg.burst_drop_rate
+        self._eye = np.eye(num_workers, dtype=bool)
+        # Bursty chains: the bad-state matrix after the last sampled round.
+        self._chain_round = -1
+        self._chain_bad = np.zeros((2, num_workers, num_workers), dtype=bool)
+
+    def _rng(self, round_: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, _NETWORK_STREAM, round_])
+
+    def _advance_chain(self, round_: int) -> np.ndarray:
+        """Bad-state masks [2, W, W] for the two slots of ``round_`` (slot 0 then slot 1)."""
+        if round_ <= self._chain_round:
+            self._chain_round, self._chain_bad[:] = -1, False
+        while self._chain_round < round_:
+            r = self._chain_round + 1
+            u = np.random.default_rng([self.seed, _NETWORK_STREAM, r, 1]).random((2,) + self.drop.shape)
+            bad = self._chain_bad[1].copy()  # the state left by the previous round's last slot
+            for slot in range(2):
+                bad = np.where(bad, u[slot] >= self.burst_exit, u[slot] < self.burst_enter)
+                self._chain_bad[slot] = bad
+            self._chain_round = r
+        return self._chain_bad
+
+    def sample(self, round_: int) -> LinkSample:
+        """The delivery masks of ``round_``; a pure function of (seed, round_)."""
+        u = self._rng(round_).random((2,) + self.drop.shape)
+        drop = np.broadcast_to(self.drop, u.shape)
+        if self.burst_enter > 0.0:
+            drop = np.where(self._advance_chain(round_), self.burst_drop, drop)
+        delivered = (u >= drop) | self._eye
+        # down is indexed [server, worker], the sender first, like up.
+        return LinkSample(round_, torch.from_numpy(delivered[0]), torch.from_numpy(delivered[1]))
+
+
+def pack_masks(samples: list[LinkSample]) -> dict[str, np.ndarray]:
+    """Packs the masks of consecutive rounds into bits: arrays [R, ceil(W*W/8)] of uint8."""
+    up = np.stack([s.up.numpy().reshape(-1) for s in samples]) if samples else np.zeros((0, 0), bool)
+    down = np.stack([s.down.numpy().reshape(-1) for s in samples]) if samples else np.zeros((0, 0), bool)
+    return {"up": np.packbits(up, axis=1), "down": np.packbits(down, axis=1)}
+
+
+class TraceNetwork(NetworkModel):
+    """Replays the delivery masks recorded by an earlier run instead of sampling them."""
+
+    def __init__(self, cfg: NetworkConfig, num_workers: int, seed: int, up: np.ndarray, down: np.ndarray) -> None:
+        super().__init__(cfg, num_workers, seed)
+        self._up, self._down = up, down
+
+    @property
+    def num_rounds(self) -> int:
+        return int(self._up.shape[0])
+
+    def sample(self, round_: int) -> LinkSample:
+        if round_ >= self.num_rounds:
+            raise IndexError(f"the replayed trace holds {self.num_rounds} rounds; round {round_} was asked for")
+        w = self.num_workers
+        unpack = lambda a: torch.from_numpy(np.unpackbits(a[round_], count=w * w).astype(bool).reshape(w, w))  # noqa: E731
+        return LinkSample(round_, unpack(self._up), unpack(self._down))
+
+
+TRACE_FILE = "trace.npz"
+
+
+def save_trace(run_dir: Path, packed: dict[str, np.ndarray], num_workers: int) -> None:
+    """Writes the packed masks atomically into ``run_dir/trace.npz``."""
+    tmp = run_dir / (TRACE_FILE + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, up=packed["up"], down=packed["down"], num_workers=np.int64(num_workers))
+    tmp.replace(run_dir / TRACE_FILE)
+
+
+def load_trace(path: str, num_workers: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Reads a trace from a run directory (or a trace.npz file), checking it fits this run."""
+    p = Path(path)
+    f = p / TRACE_FILE if p.is_dir() else p
+    try:
+        with np.load(f) as z:
+            up, down, w = z["up"], z["down"], int(z["num_workers"])
+    except (OSError, KeyError, ValueError) as exc:
+        raise ValueError(f"network.trace: cannot read a trace from {path!r} ({exc})") from None
+    if w != num_workers:
+        raise ValueError(f"network.trace {path!r} was recorded with {w} workers, but num_workers is {num_workers}")
+    if up.shape[0] < steps:
+        raise ValueError(f"network.trace {path!r} holds {up.shape[0]} rounds, fewer than steps = {steps}")
+    return up, down

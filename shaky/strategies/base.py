@@ -1,0 +1,113 @@
+"""What every strategy shares: the Strategy protocol, its step statistics, the
+SGD update, and the traffic pattern of a block exchange."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from shaky.comm.base import Comm, block_sizes
+from shaky.config import OptimConfig
+from shaky.network.clock import PhaseTraffic
+from shaky.network.model import LinkSample
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What a step put on the network, phase by phase, for the counters and the clock."""
+
+    phases: tuple[PhaseTraffic, ...] = ()
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(p.bytes_sent for p in self.phases)
+
+    @property
+    def messages_sent(self) -> int:
+        return sum(p.messages for p in self.phases)
+
+    @property
+    def messages_dropped(self) -> int:
+        return sum(p.dropped for p in self.phases)
+
+
+class Strategy(Protocol[S]):
+    """A distributed algorithm as a pair of pure functions over [w, D] tensors."""
+
+    name: str
+
+    def init(self, params: torch.Tensor) -> S: ...
+
+    def step(self, params: torch.Tensor, grads: torch.Tensor, state: S, comm: Comm,
+             links: LinkSample) -> tuple[torch.Tensor, S, StepStats]: ...
+
+
+class SGDState(NamedTuple):
+    count: int
+    """Updates applied so far; drives the learning-rate schedule."""
+    momentum: torch.Tensor | None
+    """Per-worker heavy-ball buffer [w, D]; None when momentum is 0."""
+
+
+class SGD:
+    """SGD with optional momentum and weight decay (torch.optim.SGD's rule), warm-up and step decay."""
+
+    def __init__(self, cfg: OptimConfig) -> None:
+        self.cfg = cfg
+
+    def lr(self, count: int) -> float:
+        c = self.cfg
+        lr = c.lr * min(1.0, (count + 1) / c.warmup_steps) if c.warmup_steps else c.lr
+        return lr * c.decay_factor ** sum(count >= s for s in c.decay_steps)
+
+    def init(self, params: torch.Tensor) -> SGDState:
+        return SGDState(0, torch.zeros_like(params) if self.cfg.momentum else None)
+
+    def update(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState) -> tuple[torch.Tensor, SGDState]:
+        c = self.cfg
+        d = grads.add(params, alpha=c.weight_decay) if c.weight_decay else grads
+        buf = state.momentum
+        if buf is not None:
+            # torch.optim.SGD seeds the buffer with the first gradient; 0 * 0 + d is the same.
+            buf = buf.mul(c.momentum).add_(d)
+            d = buf
+        return params.add(d, alpha=-self.lr(state.count)), SGDState(state.count + 1, buf)
+
+
+class SGDStrategy:
+    """Base of the strategies whose only state is the SGD state."""
+
+    name = ""
+
+    def __init__(self, sgd: SGD) -> None:
+        self.sgd = sgd
+
+    def init(self, params: torch.Tensor) -> SGDState:
+        return self.sgd.init(params)
+
+
+@lru_cache(maxsize=32)
+def _block_link_bytes(dim: int, num_workers: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    sizes = np.asarray(block_sizes(dim, num_workers), dtype=np.float64) * itemsize
+    off_diagonal = ~np.eye(num_workers, dtype=bool)
+    up = np.where(off_diagonal, sizes[None, :], 0.0)    # worker i -> server j carries block j
+    down = np.where(off_diagonal, sizes[:, None], 0.0)  # server j -> worker i carries block j
+    up.flags.writeable = down.flags.writeable = False
+    return up, down
+
+
+def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSample,
+                           *, reliable: bool) -> tuple[PhaseTraffic, PhaseTraffic]:
+    """The two phases of a block exchange of a [.., D] tensor among ``num_workers``.
+
+    A reliable all-reduce (reduce-scatter then all-gather) moves the same blocks as
+    RPS's two phases: (W-1)/W of the vector out of and into each worker per phase.
+    """
+    up, down = _block_link_bytes(params.shape[-1], num_workers, params.element_size())
+    return PhaseTraffic(up, links.up, reliable), PhaseTraffic(down, links.down, reliable)

@@ -1,0 +1,373 @@
+"""One training loop for both backends, read top to bottom.
+
+``prepare`` does everything that can fail on user input (data, shards, model,
+network, strategy) before anything is written. ``train`` then runs the loop:
+each step draws every local worker's mini-batch, computes all their gradients
+at once (torch.func.vmap over the [w, D] parameter rows), samples the network
+for the round, lets the strategy update and exchange, and advances the
+simulated clock. Metrics, checkpoints and the delivery trace go to the run
+directory; only the writer process (rank 0 in torch.distributed) writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad_and_value, vmap
+
+from shaky.comm.base import Comm
+from shaky.comm.sim import SimComm
+from shaky.config import RunConfig, config_from_dict, load_toml, to_dict, to_toml
+from shaky.data import Dataset, load_dataset, partition, shard_summary
+from shaky.models import FlatParams, build_model
+from shaky.network.clock import Clock
+from shaky.network.model import LinkSample, NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
+from shaky.strategies import Strategy, build_strategy
+
+CONFIG_FILE = "config.toml"
+CHECKPOINT_FILE = "checkpoint.pt"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+SHARDS_FILE = "shards.json"
+
+# Keeps the mini-batch stream apart from the other streams seeded by the run seed.
+_BATCH_STREAM = 0x626174
+
+
+class BatchSampler:
+    """Mini-batch indices per worker: a pure function of (seed, worker, step).
+
+    Worker i walks through its shard in a fresh permutation each epoch, the
+    permutation drawn from (seed, i, epoch), so a resumed run, the simulator and
+    every torch.distributed rank draw the same batches without saving any state.
+    """
+
+    def __init__(self, shards: list[np.ndarray], rows: list[int], batch_size: int, seed: int) -> None:
+        self.shards = [shards[r] for r in rows]
+        self.rows = rows
+        self.batch_size = batch_size
+        self.seed = seed
+        self._perm: dict[tuple[int, int], np.ndarray] = {}
+
+    def _permutation(self, k: int, epoch: int) -> np.ndarray:
+        key = (k, epoch)
+        if key not in self._perm:
+            if len(self._perm) > 4 * len(self.rows):
+                self._perm.clear()
+            rng = np.random.default_rng([self.seed, _BATCH_STREAM, self.rows[k], epoch])
+            self._perm[key] = self.shards[k][rng.permutation(len(self.shards[k]))]
+        return self._perm[key]
+
+    def indices(self, step: int) -> torch.Tensor:
+        """int64 [w, batch_size]: the training samples of each local worker at ``step``."""
+        out = np.empty((len(self.rows), self.batch_size), dtype=np.int64)
+        for k, shard in enumerate(self.shards):
+            n = len(shard)
+            start = step * self.batch_size
+            pos = start + np.arange(self.batch_size)
+            epochs, offsets = np.divmod(pos, n)
+            for epoch in np.unique(epochs):
+                sel = epochs == epoch
+                out[k, sel] = self._permutation(k, int(epoch))[offsets[sel]]
+        return torch.from_numpy(out)
+
+
+@dataclass
+class Setup:
+    """Everything a run needs, built and checked before anything is written."""
+
+    cfg: RunConfig
+    data: Dataset
+    shards: list[np.ndarray]
+    model: torch.nn.Module
+    flat: FlatParams
+    network: NetworkModel
+    strategy: Strategy[Any]
+    compute_ms: float
+    dtype: torch.dtype
+    grad_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    forward_fn: Callable[..., torch.Tensor] = field(repr=False)
+
+
+def _model_functions(model: torch.nn.Module, flat: FlatParams) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def logits(row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, flat.unflatten(row), (x,))
+
+    def loss(row: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits(row, x), y)
+
+    # All workers' forward and backward as one computation over the leading axis.
+    return vmap(grad_and_value(loss)), logits
+
+
+def _measure_compute_ms(setup: Setup, params: torch.Tensor) -> float:
+    """Median time of one worker's forward and backward at its batch size, on this machine."""
+    n = min(setup.cfg.batch_size, len(setup.data.y_train))
+    x, y = setup.data.x_train[None, :n], setup.data.y_train[None, :n]
+    times = []
+    for i in range(8):
+        t0 = time.perf_counter()
+        setup.grad_fn(params[:1], x, y)
+        if i >= 3:  # the first calls pay for allocation and dispatch warm-up
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def prepare(cfg: RunConfig) -> Setup:
+    """Loads data, cuts shards, builds the model, network and strategy; raises ValueError on bad input."""
+    dtype = getattr(torch, cfg.dtype)
+    data = load_dataset(cfg.data.dataset, seed=cfg.seed, path=cfg.data.path,
+                        test_fraction=cfg.data.test_fraction, max_len=cfg.data.max_len)
+    if data.x_train.is_floating_point():
+        data = dataclasses.replace(data, x_train=data.x_train.to(dtype), x_test=data.x_test.to(dtype))
+    shards = partition(data.y_train.numpy(), cfg.num_workers, kind=cfg.data.partition, seed=cfg.seed,
+                       alpha=cfg.data.dirichlet_alpha)
+    model = build_model(cfg.model.name, input_shape=data.input_shape, num_classes=data.num_classes,
+                        vocab_size=data.vocab_size, hidden=cfg.model.hidden, seed=cfg.seed).to(dtype)
+    flat = FlatParams(model)
+    if cfg.network.trace:
+        up, down = load_trace(cfg.network.trace, cfg.num_workers, cfg.steps)
+        network: NetworkModel = TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, up, down)
+    else:
+        network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed)
+    grad_fn, forward_fn = _model_functions(model, flat)
+    setup = Setup(cfg, data, shards, model, flat, network, build_strategy(cfg), cfg.network.compute_ms,
+                  dtype, grad_fn, forward_fn)
+    if setup.compute_ms < 0:
+        setup.compute_ms = _measure_compute_ms(setup, flat.flatten(model)[None])
+    return setup
+
+
+def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, chunk: int = 2048) -> dict[str, float]:
+    """Test metrics of the averaged model and of each worker, and the consensus distance."""
+    mean = comm.mean(params)[:1]
+    consensus = comm.mean((params - mean).pow(2).sum(dim=1, keepdim=True))[0, 0]
+    x, y = setup.data.x_test, setup.data.y_test
+    avg_correct = avg_loss = 0.0
+    worker_correct = torch.zeros(params.shape[0], dtype=torch.float64)
+    per_worker = vmap(setup.forward_fn, in_dims=(0, None))
+    with torch.no_grad():
+        for s in range(0, len(y), chunk):
+            xs, ys = x[s:s + chunk], y[s:s + chunk]
+            out = setup.forward_fn(mean[0], xs)
+            avg_loss += float(F.cross_entropy(out, ys, reduction="sum"))
+            avg_correct += float((out.argmax(-1) == ys).sum())
+            worker_correct += (per_worker(params, xs).argmax(-1) == ys).sum(dim=1).double()
+    worker_acc = comm.mean((worker_correct / len(y))[:, None])[0, 0]
+    return {"test_accuracy": avg_correct / len(y), "test_loss": avg_loss / len(y),
+            "worker_test_accuracy": float(worker_acc), "consensus_distance": float(consensus)}
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, mode) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+class Progress:
+    """A progress bar on a terminal, plain lines otherwise (logs, CI, pipes)."""
+
+    def __init__(self, total: int, initial: int, label: str, enabled: bool) -> None:
+        self.enabled = enabled
+        self.label = label
+        self.total = total
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm  # noqa: PLC0415
+
+            self.bar = tqdm(total=total, initial=initial, desc=label, unit="step", leave=False, dynamic_ncols=True)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def report(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        msg = (f"acc {row['test_accuracy']:.4f} loss {row['test_loss']:.4f} "
+               f"consensus {row['consensus_distance']:.3g} sim {row['sim_time_s']:.1f}s")
+        if self.bar is not None:
+            self.bar.set_postfix_str(msg, refresh=True)
+        else:
+            print(f"{self.label} step {row['step']}/{self.total} {msg}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclass
+class Counters:
+    """Cumulative totals that a checkpoint carries."""
+
+    step: int = 0
+    sim_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    bytes_sent: int = 0
+    messages_sent: int = 0
+    messages_dropped: int = 0
+    train_loss_sum: float = 0.0
+    train_loss_count: int = 0
+
+
+def _round_masks(network: NetworkModel, upto: int) -> list[LinkSample]:
+    return [network.sample(r) for r in range(upto)]
+
+
+def new_run_dir(base: str | Path) -> Path:
+    """``base`` if it does not exist yet, else ``base-1``, ``base-2``, ...: never overwrites a run."""
+    base = Path(base)
+    candidate, i = base, 0
+    while candidate.exists():
+        i += 1
+        candidate = base.with_name(f"{base.name}-{i}")
+    return candidate
+
+
+def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool = False,
+          writer: bool = True, label: str = "train", progress: bool = True) -> dict[str, Any]:
+    """Runs (or resumes) training into ``run_dir`` and returns the summary."""
+    cfg = setup.cfg
+    comm = comm or SimComm(cfg.num_workers)
+    rows = comm.rows.tolist()
+    sampler = BatchSampler(setup.shards, rows, cfg.batch_size, cfg.seed)
+    clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms)
+    x_train, y_train = setup.data.x_train, setup.data.y_train
+    strategy = setup.strategy
+
+    if resume:
+        ckpt = torch.load(run_dir / CHECKPOINT_FILE, weights_only=False)
+        params = ckpt["params"][rows]
+        state = ckpt["state"]
+        counters = Counters(**ckpt["counters"])
+        masks = _round_masks(setup.network, counters.step)
+        if writer:
+            _truncate_metrics(run_dir / METRICS_FILE, counters.step)
+    else:
+        params = setup.flat.flatten(setup.model)[None].repeat(len(rows), 1)
+        state = strategy.init(params)
+        counters = Counters()
+        masks = []
+        if writer:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            (run_dir / CONFIG_FILE).write_text(to_toml(cfg))
+            summary = shard_summary(setup.shards, setup.data.y_train.numpy(), setup.data.num_classes)
+            for entry, shard in zip(summary, setup.shards):
+                entry["indices"] = [int(i) for i in shard]
+            (run_dir / SHARDS_FILE).write_text(json.dumps(summary))
+            (run_dir / METRICS_FILE).write_text("")
+
+    def log(row: dict[str, Any]) -> None:
+        if writer:
+            with open(run_dir / METRICS_FILE, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        bar.report(row)
+
+    def metrics_row() -> dict[str, Any]:
+        c = counters
+        train_loss = c.train_loss_sum / c.train_loss_count if c.train_loss_count else None
+        return {"step": c.step, "sim_time_s": c.sim_time_s, "bytes_sent": c.bytes_sent,
+                "messages_sent": c.messages_sent, "messages_dropped": c.messages_dropped,
+                "train_loss": train_loss, **evaluate(setup, params, comm),
+                "lr": strategy.sgd.lr(c.step) if hasattr(strategy, "sgd") else None,
+                "wall_time_s": c.wall_time_s + time.perf_counter() - t_start}
+
+    def save_checkpoint() -> None:
+        if not writer:
+            return
+        blob = {"params": params, "state": state, "counters": {**vars(counters),
+                "wall_time_s": counters.wall_time_s + time.perf_counter() - t_start}, "config": to_dict(cfg)}
+        _atomic_write(run_dir / CHECKPOINT_FILE, lambda f: torch.save(blob, f), "wb")
+        save_trace(run_dir, pack_masks(masks), cfg.num_workers)
+
+    t_start = time.perf_counter()
+    bar = Progress(cfg.steps, counters.step, label, progress and writer)
+    last = None
+    if counters.step == 0:
+        last = metrics_row()
+        log(last)
+    while counters.step < cfg.steps:
+        step = counters.step
+        idx = sampler.indices(step)
+        grads, losses = setup.grad_fn(params, x_train[idx], y_train[idx])
+        links = setup.network.sample(step)
+        masks.append(links)
+        params, state, stats = strategy.step(params, grads, state, comm, links)
+
+        counters.step = step + 1
+        counters.sim_time_s += clock.step_seconds(stats.phases)
+        counters.bytes_sent += stats.bytes_sent
+        counters.messages_sent += stats.messages_sent
+        counters.messages_dropped += stats.messages_dropped
+        counters.train_loss_sum += float(comm.mean(losses.detach()[:, None])[0, 0])
+        counters.train_loss_count += 1
+        bar.advance()
+
+        if counters.step % cfg.eval_every == 0 or counters.step == cfg.steps:
+            last = metrics_row()
+            log(last)
+            counters.train_loss_sum, counters.train_loss_count = 0.0, 0
+            if not math.isfinite(last["test_loss"]) and not math.isfinite(last["train_loss"] or 0.0):
+                bar.close()
+                raise FloatingPointError(f"training diverged at step {counters.step} (loss is not finite); "
+                                         f"lower optim.lr (now {cfg.optim.lr})")
+        if cfg.checkpoint_every and counters.step % cfg.checkpoint_every == 0 and counters.step < cfg.steps:
+            save_checkpoint()
+    bar.close()
+    save_checkpoint()
+
+    if last is None:  # resumed from a finished run: report its last evaluation
+        last = _read_metrics(run_dir / METRICS_FILE)[-1]
+    summary = {
+        "final_test_accuracy": last["test_accuracy"], "final_test_loss": last["test_loss"],
+        "final_train_loss": last["train_loss"], "final_worker_test_accuracy": last["worker_test_accuracy"],
+        "consensus_distance": last["consensus_distance"], "bytes_sent": counters.bytes_sent,
+        "messages_sent": counters.messages_sent, "messages_dropped": counters.messages_dropped,
+        "sim_time_s": counters.sim_time_s, "wall_time_s": last["wall_time_s"], "steps": counters.step,
+        "compute_ms": setup.compute_ms, "strategy": cfg.strategy.name, "num_workers": cfg.num_workers,
+        "dataset": cfg.data.dataset, "model": cfg.model.name, "seed": cfg.seed,
+        "drop_rate": cfg.network.drop_rate if isinstance(cfg.network.drop_rate, float) else "matrix",
+        "num_parameters": setup.flat.dim,
+    }
+    if writer:
+        _atomic_write(run_dir / SUMMARY_FILE, lambda f: f.write(json.dumps(summary, indent=2) + "\n"))
+    return summary
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drops metrics lines written after the checkpoint, so a resumed run does not repeat them."""
+    rows = [r for r in _read_metrics(path) if r["step"] <= step] if path.exists() else []
+    _atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in rows))
+
+
+def load_run_config(run_dir: str | Path) -> RunConfig:
+    """The resolved config saved in a run directory, checked that a checkpoint is there to resume."""
+    d = Path(run_dir)
+    if not (d / CONFIG_FILE).is_file():
+        raise ValueError(f"resume: {str(d)!r} is not a run directory (no {CONFIG_FILE})")
+    if not (d / CHECKPOINT_FILE).is_file():
+        raise ValueError(f"resume: {str(d)!r} has no {CHECKPOINT_FILE} to resume from")
+    return config_from_dict(load_toml(d / CONFIG_FILE))
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The evaluations a run wrote, in order."""
+    return _read_metrics(Path(run_dir) / METRICS_FILE)
