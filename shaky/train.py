@@ -210,6 +210,10 @@ class Progress:
             self.bar.close()
 
 
+class InterruptedRun(RuntimeError):
+    """Raised by an injected fault (``stop_at``)."""
+
+
 @dataclass
 class Counters:
     """Cumulative totals that a checkpoint carries."""
@@ -239,8 +243,14 @@ def new_run_dir(base: str | Path) -> Path:
 
 
 def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool = False,
-          writer: bool = True, label: str = "train", progress: bool = True) -> dict[str, Any]:
-    """Runs (or resumes) training into ``run_dir`` and returns the summary."""
+          writer: bool = True, label: str = "train", progress: bool = True,
+          stop_at: int | None = None) -> dict[str, Any]:
+    """Runs (or resumes) training into ``run_dir`` and returns the summary.
+
+    ``stop_at`` injects a crash: the run stops right after that step without a
+    final checkpoint or summary, as a killed process would, and raises
+    ``InterruptedRun``. Tests use it to check that resume is bit-identical.
+    """
     cfg = setup.cfg
     comm = comm or SimComm(cfg.num_workers)
     rows = comm.rows.tolist()
@@ -327,6 +337,9 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
                                          f"lower optim.lr (now {cfg.optim.lr})")
         if cfg.checkpoint_every and counters.step % cfg.checkpoint_every == 0 and counters.step < cfg.steps:
             save_checkpoint()
+        if stop_at is not None and counters.step == stop_at:
+            bar.close()
+            raise InterruptedRun(f"stopped after step {stop_at} (injected fault)")
     bar.close()
     save_checkpoint()
 

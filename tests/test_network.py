@@ -1,0 +1,70 @@
+"""The network model: pure, seeded delivery masks; per-link rates; bursts; traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shaky.config import NetworkConfig
+from shaky.network.model import NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
+
+
+def test_sample_is_a_pure_function_of_seed_and_round() -> None:
+    a = NetworkModel(NetworkConfig(drop_rate=0.3), 6, seed=7)
+    b = NetworkModel(NetworkConfig(drop_rate=0.3), 6, seed=7)
+    forward = [a.sample(r) for r in range(20)]
+    backward = [b.sample(r) for r in reversed(range(20))][::-1]
+    for x, y in zip(forward, backward):
+        assert torch.equal(x.up, y.up) and torch.equal(x.down, y.down)
+    other = NetworkModel(NetworkConfig(drop_rate=0.3), 6, seed=8)
+    assert not all(torch.equal(a.sample(r).up, other.sample(r).up) for r in range(20))
+
+
+def test_self_messages_always_arrive_and_drop_rate_is_respected() -> None:
+    w, p = 8, 0.2
+    net = NetworkModel(NetworkConfig(drop_rate=p), w, seed=0)
+    masks = torch.stack([torch.stack([s.up, s.down]) for s in map(net.sample, range(2000))])
+    assert masks[..., torch.arange(w), torch.arange(w)].all()
+    off = ~torch.eye(w, dtype=torch.bool)
+    rate = 1 - masks[..., off].float().mean().item()
+    # 2000 rounds x 2 phases x 56 links: the standard error is about 0.0014.
+    assert abs(rate - p) < 0.01
+
+
+def test_per_link_matrix() -> None:
+    drop = tuple(tuple(0.0 if j != 1 else 0.5 for j in range(3)) for i in range(3))
+    net = NetworkModel(NetworkConfig(drop_rate=drop), 3, seed=1)
+    ups = torch.stack([net.sample(r).up for r in range(3000)]).float().mean(0)
+    assert ups[0, 0] == 1 and ups[0, 2] == 1 and ups[2, 0] == 1      # links with rate 0
+    assert abs(ups[0, 1].item() - 0.5) < 0.04 and ups[1, 1] == 1      # column 1 at rate 0.5, self kept
+
+
+def test_gilbert_elliott_bursts_are_correlated_and_pure() -> None:
+    cfg = NetworkConfig(drop_rate=0.0, burst_enter=0.05, burst_exit=0.2, burst_drop_rate=1.0)
+    net = NetworkModel(cfg, 4, seed=3)
+    lost = np.array([not net.sample(r).up[0, 1].item() for r in range(4000)])
+    # Stationary share of bad slots: enter / (enter + exit) = 0.2.
+    assert 0.12 < lost.mean() < 0.28
+    # Bursty: a loss follows a loss far more often than the marginal rate.
+    after_loss = lost[1:][lost[:-1]].mean()
+    assert after_loss > 2 * lost.mean()
+    again = NetworkModel(cfg, 4, seed=3)
+    assert torch.equal(again.sample(1234).up, net.sample(1234).up)  # out of order, same masks
+
+
+def test_trace_round_trip(tmp_path) -> None:
+    net = NetworkModel(NetworkConfig(drop_rate=0.4), 5, seed=2)
+    samples = [net.sample(r) for r in range(30)]
+    save_trace(tmp_path, pack_masks(samples), 5)
+    up, down = load_trace(str(tmp_path), 5, 30)
+    replay = TraceNetwork(NetworkConfig(), 5, 99, up, down)
+    for s in samples:
+        r = replay.sample(s.round)
+        assert torch.equal(r.up, s.up) and torch.equal(r.down, s.down)
+    with pytest.raises(ValueError, match="network.trace .* 30 rounds, fewer than steps = 31"):
+        load_trace(str(tmp_path), 5, 31)
+    with pytest.raises(ValueError, match="recorded with 5 workers, but num_workers is 4"):
+        load_trace(str(tmp_path), 4, 10)
+    with pytest.raises(ValueError, match="network.trace: cannot read"):
+        load_trace(str(tmp_path / "missing"), 5, 10)

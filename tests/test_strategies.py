@@ -1,0 +1,111 @@
+"""Exact equivalences the maths promises, and the semantics of the lossy block exchange."""
+
+from __future__ import annotations
+
+from math import comb
+
+import pytest
+import torch
+
+from shaky.comm.sim import SimComm
+from shaky.config import NetworkConfig
+from shaky.models import build_model
+from shaky.network.model import NetworkModel
+from shaky.train import BatchSampler, prepare
+
+from conftest import make_config, run
+
+
+@pytest.mark.parametrize("workers", [1, 4, 8])
+def test_rps_at_drop_zero_equals_allreduce(workers: int, tmp_run) -> None:
+    base = dict(num_workers=workers, steps=50, network={"drop_rate": 0.0})
+    _, rps, rps_rows = run(make_config(strategy={"name": "rps"}, **base), tmp_run())
+    _, sync, sync_rows = run(make_config(strategy={"name": "allreduce"}, **base), tmp_run())
+    assert (rps - sync).abs().max().item() <= 1e-6
+    assert [r["test_accuracy"] for r in rps_rows] == [r["test_accuracy"] for r in sync_rows]
+
+
+def test_lossy_allreduce_at_drop_zero_equals_allreduce(tmp_run) -> None:
+    base = dict(num_workers=4, steps=30, network={"drop_rate": 0.0})
+    _, lossy, _ = run(make_config(strategy={"name": "lossy-allreduce"}, **base), tmp_run())
+    _, sync, _ = run(make_config(strategy={"name": "allreduce"}, **base), tmp_run())
+    assert (lossy - sync).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "lossy-allreduce", "rps"])
+def test_one_worker_equals_plain_sgd(strategy: str, tmp_run) -> None:
+    """One worker of any strategy is torch.optim.SGD on an ordinary module, even with drops."""
+    optim = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3, "warmup_steps": 5, "decay_steps": [20],
+             "decay_factor": 0.5}
+    cfg = make_config(num_workers=1, steps=30, optim=optim, strategy={"name": strategy},
+                      network={"drop_rate": 0.5})
+    _, params, _ = run(cfg, tmp_run())
+
+    setup = prepare(cfg)
+    model = build_model("mlp", input_shape=setup.data.input_shape, num_classes=setup.data.num_classes, seed=cfg.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    sampler = BatchSampler(setup.shards, [0], cfg.batch_size, cfg.seed)
+    for t in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = 0.05 * min(1.0, (t + 1) / 5) * (0.5 if t >= 20 else 1.0)
+        idx = sampler.indices(t)[0]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(setup.data.x_train[idx]), setup.data.y_train[idx]).backward()
+        opt.step()
+    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(params[0], reference, atol=1e-5, rtol=1e-5)
+
+
+def test_block_average_by_hand() -> None:
+    # 3 workers, 6 values: blocks of 2. Worker i holds the value i+1 everywhere.
+    x = torch.tensor([[1.0] * 6, [2.0] * 6, [3.0] * 6])
+    up = torch.ones(3, 3, dtype=torch.bool)
+    up[2, 0] = False            # server 0 misses worker 2's block: averages (1 + 2) / 2
+    down = torch.ones(3, 3, dtype=torch.bool)
+    down[1, 0] = False          # worker 0 misses server 1's average: keeps its own block 1
+    out = SimComm(3).block_average(x, up, down)
+    expected = torch.tensor([[1.5, 1.5, 1.0, 1.0, 2.0, 2.0],
+                             [1.5, 1.5, 2.0, 2.0, 2.0, 2.0],
+                             [1.5, 1.5, 2.0, 2.0, 2.0, 2.0]])
+    torch.testing.assert_close(out, expected)
+
+
+def test_block_average_uneven_blocks_match_a_loop() -> None:
+    w, dim = 5, 23  # blocks 5, 5, 5, 4, 4
+    x = torch.randn(w, dim, generator=torch.Generator().manual_seed(0))
+    net = NetworkModel(NetworkConfig(drop_rate=0.4), w, seed=1)
+    links = net.sample(3)
+    out = SimComm(w).block_average(x, links.up, links.down)
+    bounds = [0, 5, 10, 15, 19, 23]
+    for j in range(w):
+        lo, hi = bounds[j], bounds[j + 1]
+        senders = links.up[:, j]
+        avg = x[senders, lo:hi].mean(0)
+        for i in range(w):
+            want = avg if links.down[j, i] else x[i, lo:hi]
+            torch.testing.assert_close(out[i, lo:hi], want)
+
+
+def test_server_average_is_unbiased_over_drop_draws() -> None:
+    """Server j divides by the senders that arrived (never by W) and weighs every other sender alike.
+
+    Its own block always arrives, so E[avg_j] = a v_j + (1 - a) mean_{i != j} v_i with
+    a = E[1 / (1 + K)], K ~ Binomial(W - 1, 1 - p): the average over the senders that
+    arrived is unbiased for the blocks it averages.
+    """
+    w, p, rounds = 5, 0.3, 20000
+    v = torch.tensor([[1.0], [3.0], [-2.0], [7.0], [0.5]]).expand(w, w).contiguous()  # value v_i in every block
+    net = NetworkModel(NetworkConfig(drop_rate=p), w, seed=4)
+    comm = SimComm(w)
+    total = torch.zeros(w, dtype=torch.float64)
+    everyone = torch.ones(w, w, dtype=torch.bool)
+    for r in range(rounds):
+        up = net.sample(r).up
+        out = comm.block_average(v, up, everyone)  # every worker gets the server averages
+        total += out[0].double()                    # out[0, j] = avg_j
+        assert torch.equal(comm.block_average(torch.full((w, w), 2.5), up, everyone), torch.full((w, w), 2.5))
+    a = sum(comb(w - 1, k) * (1 - p) ** k * p ** (w - 1 - k) / (1 + k) for k in range(w))
+    vals = v[:, 0].double()
+    expected = torch.stack([a * vals[j] + (1 - a) * (vals.sum() - vals[j]) / (w - 1) for j in range(w)])
+    # Standard error per server is about 0.02 here.
+    torch.testing.assert_close(total / rounds, expected, atol=0.06, rtol=0)

@@ -1,0 +1,79 @@
+"""The training loop: replayed traces, bit-identical resume, metrics, and what drops do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shaky.train import CHECKPOINT_FILE, SHARDS_FILE, InterruptedRun, prepare, read_metrics, train
+
+from conftest import make_config, run, without_wall_time
+
+
+def test_replayed_trace_reproduces_the_run_exactly(tmp_run) -> None:
+    first_dir = tmp_run()
+    cfg = make_config(network={"drop_rate": 0.3}, strategy={"name": "rps"})
+    first, params, rows = run(cfg, first_dir)
+    assert first["messages_dropped"] > 0
+    # The replay is told drop_rate 0: every loss it sees must come from the trace.
+    replay_cfg = make_config(network={"drop_rate": 0.0, "trace": str(first_dir)}, strategy={"name": "rps"})
+    second, replay_params, replay_rows = run(replay_cfg, tmp_run())
+    assert torch.equal(params, replay_params)
+    assert without_wall_time(rows) == without_wall_time(replay_rows)
+    assert second["messages_dropped"] == first["messages_dropped"]
+    # Without the trace, the same drop-free config ends elsewhere.
+    _, free_params, _ = run(make_config(network={"drop_rate": 0.0}, strategy={"name": "rps"}), tmp_run())
+    assert not torch.equal(params, free_params)
+
+
+@pytest.mark.parametrize("strategy,momentum", [("rps", 0.0), ("lossy-allreduce", 0.9), ("allreduce", 0.9)])
+def test_resume_is_bit_identical(strategy: str, momentum: float, tmp_run) -> None:
+    cfg = make_config(steps=60, eval_every=10, checkpoint_every=20, strategy={"name": strategy},
+                      optim={"momentum": momentum}, network={"drop_rate": 0.2})
+    whole, params, rows = run(cfg, tmp_run())
+
+    crashed = tmp_run()
+    with pytest.raises(InterruptedRun):
+        train(prepare(cfg), crashed, progress=False, stop_at=35)
+    assert read_metrics(crashed)[-1]["step"] == 30          # evaluations after the checkpoint at 20 exist...
+    resumed = train(prepare(cfg), crashed, resume=True, progress=False)
+    assert [r["step"] for r in read_metrics(crashed)] == [0, 10, 20, 30, 40, 50, 60]  # ...and are not repeated
+    assert torch.equal(torch.load(crashed / CHECKPOINT_FILE, weights_only=False)["params"], params)
+    assert without_wall_time(read_metrics(crashed)) == without_wall_time(rows)
+    assert {k: v for k, v in resumed.items() if k != "wall_time_s"} == \
+        {k: v for k, v in whole.items() if k != "wall_time_s"}
+
+
+def test_metrics_and_shards_are_recorded(tmp_run) -> None:
+    run_dir = tmp_run()
+    cfg = make_config(num_workers=4, steps=20, eval_every=10, data={"partition": "dirichlet", "dirichlet_alpha": 0.1},
+                      network={"drop_rate": 0.1})
+    summary, _, rows = run(cfg, run_dir)
+    assert [r["step"] for r in rows] == [0, 10, 20]
+    assert rows[0]["train_loss"] is None and rows[-1]["train_loss"] > 0
+    assert rows[-1]["bytes_sent"] == summary["bytes_sent"] > 0
+    assert summary["messages_sent"] == 20 * 2 * 4 * 3        # steps x phases x W x (W - 1)
+    assert 0 < summary["messages_dropped"] < summary["messages_sent"]
+    assert summary["sim_time_s"] > 20 * 1e-3                 # at least the compute time (1 ms per step)
+    shards = json.loads((run_dir / SHARDS_FILE).read_text())
+    indices = [set(s["indices"]) for s in shards]
+    assert sum(map(len, indices)) == len(set().union(*indices)) == len(prepare(cfg).data.y_train)
+    assert [len(s) for s in indices] == [s["num_samples"] for s in shards]
+
+
+def test_gradient_averaging_loses_consensus_under_drops_but_rps_does_not(tmp_run) -> None:
+    common = dict(num_workers=8, steps=100, network={"drop_rate": 0.1})
+    rps, _, _ = run(make_config(strategy={"name": "rps"}, **common), tmp_run())
+    lossy, _, _ = run(make_config(strategy={"name": "lossy-allreduce"}, **common), tmp_run())
+    assert lossy["consensus_distance"] > 10 * rps["consensus_distance"]
+
+
+def test_reliable_transport_pays_for_drops_in_time_not_accuracy(tmp_run) -> None:
+    common = dict(num_workers=4, steps=30, strategy={"name": "allreduce"})
+    clean, clean_params, _ = run(make_config(network={"drop_rate": 0.0}, **common), tmp_run())
+    lossy, lossy_params, _ = run(make_config(network={"drop_rate": 0.2}, **common), tmp_run())
+    assert torch.equal(clean_params, lossy_params)
+    assert lossy["sim_time_s"] > clean["sim_time_s"] + 0.2 * 10   # a 200 ms timeout in most rounds
+    assert lossy["bytes_sent"] > clean["bytes_sent"]              # resent messages count again
