@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
     train.add_argument("--quiet", action="store_true", help="no progress output")
 
-    demo = sub.add_parser("demo", help="MLP on digits, 8 workers: allreduce vs rps vs lossy-allreduce")
+    demo = sub.add_parser("demo", help="MLP on digits, 8 workers: allreduce, rps and lossy-allreduce at drop 0.1")
     demo.add_argument("--out", metavar="DIR", default="runs/demo", help="where runs, table and plot go")
     demo.add_argument("--steps", type=int, default=600, help="training steps per run")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
@@ -123,8 +123,10 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
     return cfg, run_dir
 
 
+# The fourth run shows the system side of the paper: a reliable transport keeps
+# allreduce's accuracy at drop 0.1 but pays a retransmission timeout in most rounds.
 DEMO_RUNS = (("allreduce, drop 0", "allreduce", 0.0), ("rps, drop 0.1", "rps", 0.1),
-             ("lossy-allreduce, drop 0.1", "lossy-allreduce", 0.1))
+             ("lossy-allreduce, drop 0.1", "lossy-allreduce", 0.1), ("allreduce, drop 0.1", "allreduce", 0.1))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -37,19 +37,21 @@ def plot_accuracy(runs: Sequence[tuple[str, Path]], out: Path, title: str = "") 
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
-    for name, run_dir in runs:
+    styles = ("-", "--", "-.", ":")
+    for k, (name, run_dir) in enumerate(runs):
         rows = read_metrics(run_dir)
-        steps = [r["step"] for r in rows]
         acc = [100 * r["test_accuracy"] for r in rows]
-        ax_steps.plot(steps, acc, marker=".", label=name)
-        ax_time.plot([r["sim_time_s"] for r in rows], acc, marker=".", label=name)
+        style = {"linestyle": styles[k % len(styles)], "marker": ".", "label": name}
+        ax_steps.plot([r["step"] for r in rows], acc, **style)
+        timed = [(r["sim_time_s"], a) for r, a in zip(rows, acc) if r["sim_time_s"] > 0]
+        ax_time.plot(*zip(*timed), **style)
     ax_steps.set_xlabel("training step")
-    ax_time.set_xlabel("simulated time (s)")
-    ax_time.set_xscale("symlog", linthresh=1.0)
+    ax_time.set_xlabel("simulated wall-clock time (s, log scale)")
+    ax_time.set_xscale("log")
     for ax in (ax_steps, ax_time):
         ax.set_ylabel("test accuracy of the averaged model (%)")
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+    ax_steps.legend(loc="lower right")  # the same lines on both panels: one legend
     if title:
         fig.suptitle(title)
     out.parent.mkdir(parents=True, exist_ok=True)
