@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,9 +41,16 @@ class BadInput(Exception):
     """User input the CLI reports in one line with exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line and exit status 2 like every other bad input."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"shaky: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shaky", description="Distributed training over bad networks.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="shaky", description="Distributed training over bad networks.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser("train", help="train one run (simulator by default)")
     train.add_argument("--config", metavar="FILE.toml", help="a TOML config; flags override it")
@@ -116,8 +124,9 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
             if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
                 raise BadInput(f"--out {str(run_dir)!r} already exists and is not empty; "
                                "pick another directory or --resume it")
-            if run_dir.is_dir():
-                run_dir.rmdir()
+            blocker = next((p for p in run_dir.parents if p.exists() and not p.is_dir()), None)
+            if blocker is not None:
+                raise BadInput(f"--out {str(run_dir)!r} cannot be created: {str(blocker)!r} is a file")
         else:
             run_dir = new_run_dir(_default_out(cfg))
     return cfg, run_dir

@@ -23,7 +23,7 @@ Matrix = tuple[tuple[float, ...], ...]
 """A per-link matrix [W, W]: entry [i][j] describes the link from worker i to worker j."""
 
 STRATEGIES = ("allreduce", "lossy-allreduce", "rps")
-BACKENDS = ("sim", "dist")
+BACKENDS = ("sim",)
 DTYPES = ("float32", "float64")
 
 
@@ -190,7 +190,7 @@ class RunConfig:
     checkpoint_every: int = 0
     """Write a resumable checkpoint every this many steps (0 = only at the end)."""
     backend: str = "sim"
-    """sim: all workers in this process; dist: one worker per torch.distributed process."""
+    """sim: all workers in this process (the torch.distributed backend is not built yet)."""
     dtype: str = "float32"
     """Parameter precision: float32 or float64."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -233,7 +233,8 @@ def _convert(name: str, value: Any, tp: Any) -> Any:
         if isinstance(value, list):
             if not all(isinstance(r, list) for r in value):
                 raise TypeError(f"{name} must be a number or a list of lists of numbers, got {value!r}")
-            return tuple(tuple(_convert(f"{name}[{i}]", v, float) for v in row) for i, row in enumerate(value))
+            return tuple(tuple(_convert(f"{name}[{i}][{j}]", v, float) for j, v in enumerate(row))
+                         for i, row in enumerate(value))
         return _convert(name, value, float)
     if tp is bool:
         if not isinstance(value, bool):
@@ -289,6 +290,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"config file {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeError as exc:
+        raise ValueError(f"config file {str(p)!r} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -285,7 +285,9 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
         counters = Counters()
         masks = []
         if writer:
-            run_dir.mkdir(parents=True, exist_ok=False)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if any(run_dir.iterdir()):
+                raise FileExistsError(f"run directory {str(run_dir)!r} is not empty")
             (run_dir / CONFIG_FILE).write_text(to_toml(cfg))
             summary = shard_summary(setup.shards, setup.data.y_train.numpy(), setup.data.num_classes)
             for entry, shard in zip(summary, setup.shards):
@@ -305,7 +307,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
         return {"step": c.step, "sim_time_s": c.sim_time_s, "bytes_sent": c.bytes_sent,
                 "messages_sent": c.messages_sent, "messages_dropped": c.messages_dropped,
                 "train_loss": train_loss, **evaluate(setup, params, comm),
-                "lr": strategy.sgd.lr(c.step) if hasattr(strategy, "sgd") else None,
+                "lr": strategy.sgd.lr(max(c.step - 1, 0)) if hasattr(strategy, "sgd") else None,
                 "wall_time_s": c.wall_time_s + time.perf_counter() - t_start}
 
     def save_checkpoint() -> None:
@@ -343,7 +345,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
             last = metrics_row()
             log(last)
             counters.train_loss_sum, counters.train_loss_count = 0.0, 0
-            if not math.isfinite(last["test_loss"]) and not math.isfinite(last["train_loss"] or 0.0):
+            if not math.isfinite(last["test_loss"]):
                 bar.close()
                 raise FloatingPointError(f"training diverged at step {counters.step} (loss is not finite); "
                                          f"lower optim.lr (now {cfg.optim.lr})")
