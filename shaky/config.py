@@ -22,7 +22,7 @@ import tomli_w
 Matrix = tuple[tuple[float, ...], ...]
 """A per-link matrix [W, W]: entry [i][j] describes the link from worker i to worker j."""
 
-STRATEGIES = ("allreduce", "lossy-allreduce", "rps")
+STRATEGIES = ("allreduce", "lossy-allreduce", "rps", "local-sgd", "ri-sgd", "dts")
 BACKENDS = ("sim",)
 DTYPES = ("float32", "float64")
 
@@ -62,7 +62,7 @@ class DataConfig:
     path: str = ""
     """CIFAR-10 python-batch directory, or a ``label<TAB>text`` file for ``text``."""
     partition: str = "iid"
-    """How training samples are split across workers: iid or dirichlet (label-skewed)."""
+    """How training samples are cut into one chunk per worker: iid, dirichlet, or label-skew (sorted by label)."""
     dirichlet_alpha: float = 0.5
     """Concentration of the Dirichlet label skew; smaller is more skewed."""
     test_fraction: float = 0.2
@@ -128,10 +128,32 @@ class OptimConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StrategyConfig:
     name: str = "rps"
-    """allreduce (reliable gradient averaging), lossy-allreduce, or rps."""
+    """allreduce, lossy-allreduce, rps, local-sgd, ri-sgd or dts."""
+    period: int = 1
+    """Average every this many steps (local SGD's tau, DTS's temporal sparsity d); 1 = every step."""
+    redundancy: int = 1
+    """RI-SGD's q: each worker holds q of the W data chunks, chosen cyclically; 1 = no redundancy."""
+    grow_batch: bool = False
+    """RI-SGD: grow each worker's batch with q (as the authors' code does) instead of keeping compute equal."""
+    delay: int = 1
+    """DTS's t: the average launched at step n is applied at step n + t - 1; 1 = synchronous."""
+    correction: bool = True
+    """DTS: correct the stale average with the worker's own fresh gradient (off = plain stale SGD)."""
+    weighted: bool = False
+    """Weigh each worker's share of an average by its batch size (for heterogeneous batch_sizes)."""
 
     def __post_init__(self) -> None:
         _check_choice("strategy.name", self.name, STRATEGIES)
+        for name in ("period", "redundancy", "delay"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"strategy.{name} must be >= 1, got {getattr(self, name)}")
+        if self.period != 1 and self.name not in ("local-sgd", "ri-sgd", "dts"):
+            raise ValueError(f"strategy.period applies to local-sgd, ri-sgd and dts; {self.name} averages "
+                             f"every step (got period = {self.period})")
+        if (self.redundancy != 1 or self.grow_batch) and self.name != "ri-sgd":
+            raise ValueError(f"strategy.redundancy and strategy.grow_batch apply to ri-sgd only, not {self.name}")
+        if (self.delay != 1 or not self.correction) and self.name != "dts":
+            raise ValueError(f"strategy.delay and strategy.correction apply to dts only, not {self.name}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,6 +198,16 @@ class NetworkConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class FailureConfig:
+    worker: int
+    """The worker that fails."""
+    step: int
+    """The first step it misses: from here on it neither computes nor sends."""
+    rejoin: int = -1
+    """The step at which it comes back with the live workers' average model; -1 = never."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     seed: int = 0
     """Seeds everything: data split, shards, initial model, mini-batches and the network."""
@@ -185,6 +217,12 @@ class RunConfig:
     """Training steps (rounds) per worker."""
     batch_size: int = 32
     """Mini-batch size per worker per step."""
+    batch_sizes: tuple[int, ...] = ()
+    """Heterogeneous mini-batch sizes, one per worker; empty = batch_size for every worker."""
+    target_accuracy: float = 0.0
+    """Test accuracy whose first crossing is reported as rounds_to_target (0 = off)."""
+    failures: tuple[FailureConfig, ...] = ()
+    """Worker failures: [[failures]] tables with worker, step and an optional rejoin step."""
     eval_every: int = 50
     """Evaluate (and write a metrics.jsonl line) every this many steps, and at the end."""
     checkpoint_every: int = 0
@@ -208,12 +246,49 @@ class RunConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _check_choice("backend", self.backend, BACKENDS)
+        if self.batch_sizes and len(self.batch_sizes) != self.num_workers:
+            raise ValueError(f"batch_sizes has {len(self.batch_sizes)} entries but num_workers is {self.num_workers}")
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes must all be >= 1, got {list(self.batch_sizes)}")
+        _check_range("target_accuracy", self.target_accuracy, 0.0, 1.0)
+        self._check_failures()
+        if self.strategy.redundancy > self.num_workers:
+            raise ValueError(f"strategy.redundancy (q = {self.strategy.redundancy}) must be at most "
+                             f"num_workers (p = {self.num_workers}): there are only p data chunks")
         _check_choice("dtype", self.dtype, DTYPES)
         for name in ("drop_rate", "latency_ms", "bandwidth_mbps"):
             value = getattr(self.network, name)
             if isinstance(value, tuple) and len(value) != self.num_workers:
                 raise ValueError(f"network.{name} is a {len(value)}x{len(value)} matrix but "
                                  f"num_workers is {self.num_workers}")
+
+
+    def worker_batch_sizes(self) -> tuple[int, ...]:
+        """Each worker's mini-batch size: batch_sizes if given, else batch_size (times q with grow_batch)."""
+        if self.batch_sizes:
+            return self.batch_sizes
+        grow = self.strategy.redundancy if self.strategy.grow_batch else 1
+        return (self.batch_size * grow,) * self.num_workers
+
+    def _check_failures(self) -> None:
+        down: dict[int, list[tuple[int, int]]] = {}
+        for k, f in enumerate(self.failures):
+            name = f"failures[{k}]"
+            if not 0 <= f.worker < self.num_workers:
+                raise ValueError(f"{name}.worker must name a worker in [0, {self.num_workers}), got {f.worker}")
+            if not 0 <= f.step < self.steps:
+                raise ValueError(f"{name}.step must be in [0, steps = {self.steps}), got {f.step}")
+            if f.rejoin != -1 and f.rejoin <= f.step:
+                raise ValueError(f"{name}.rejoin ({f.rejoin}) must come after its failure step ({f.step}), "
+                                 "or be -1 for never")
+            end = f.rejoin if f.rejoin != -1 else self.steps
+            for start, stop in down.get(f.worker, []):
+                if f.step < stop and start < end:
+                    raise ValueError(f"{name} overlaps another failure of worker {f.worker}")
+            down.setdefault(f.worker, []).append((f.step, end))
+        for step in sorted({f.step for f in self.failures}):
+            if all(any(a <= step < b for a, b in down.get(w, [])) for w in range(self.num_workers)):
+                raise ValueError(f"failures leave no live worker at step {step}")
 
 
 # ---------------------------------------------------------------------------
@@ -274,6 +349,10 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
         if not isinstance(preset, str) or preset not in PRESETS:
             raise ValueError(f"network.preset must be one of {', '.join(PRESETS)}; got {preset!r}")
         values = {**PRESETS[preset], **values}
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in values
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{prefix}{missing[0]} is required")
     kwargs = {k: _convert(f"{prefix}{k}", v, hints[k]) for k, v in values.items()}
     return cls(**kwargs)
 

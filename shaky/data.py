@@ -22,7 +22,7 @@ from sklearn import datasets as skdatasets
 from sklearn.model_selection import train_test_split
 
 DATASETS: tuple[str, ...] = ("digits", "iris", "wine", "breast_cancer", "mnist1d", "cifar10", "text")
-PARTITIONS: tuple[str, ...] = ("iid", "dirichlet")
+PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "label-skew")
 
 PAD_ID = 0
 UNK_ID = 1
@@ -116,7 +116,10 @@ def partition(
     Args:
         labels: Integer training labels ``[N]``.
         num_workers: Number of shards, between 1 and ``N``.
-        kind: ``"iid"`` (uniform random) or ``"dirichlet"`` (label-skewed).
+        kind: ``"iid"`` (uniform random), ``"dirichlet"`` (label proportions drawn
+            from Dirichlet(alpha)) or ``"label-skew"`` (samples sorted by label, ties
+            in random order, cut into equal contiguous chunks: each chunk holds one
+            or two classes when there are about as many chunks as classes).
         seed: Seed of every random choice.
         alpha: Dirichlet concentration; smaller means more skew.
 
@@ -152,6 +155,9 @@ def partition(
     rng = np.random.default_rng(seed)
     if kind == "iid":
         shards = np.array_split(rng.permutation(n), num_workers)
+    elif kind == "label-skew":
+        order = rng.permutation(n)
+        shards = np.array_split(order[np.argsort(labels[order], kind="stable")], num_workers)
     else:
         parts: list[list[np.ndarray]] = [[] for _ in range(num_workers)]
         for c in np.unique(labels):
@@ -168,6 +174,26 @@ def partition(
                 big = int(np.argmax([len(s) for s in shards]))
                 shards[w], shards[big] = shards[big][-1:], shards[big][:-1]
     return [np.sort(s).astype(np.int64) for s in shards]
+
+
+def assign_chunks(chunks: list[np.ndarray], redundancy: int) -> list[np.ndarray]:
+    """RI-SGD's cyclic redundancy: worker i holds chunks i, i+1, ..., i+q-1 (mod p), as in the authors' code.
+
+    Every chunk then lives on exactly q workers, so up to q - 1 failed workers lose no data.
+    """
+    p = len(chunks)
+    if not 1 <= redundancy <= p:
+        raise ValueError(f"strategy.redundancy must be in [1, {p}] (the number of chunks), got {redundancy}")
+    return [np.sort(np.concatenate([chunks[(i + k) % p] for k in range(redundancy)])) for i in range(p)]
+
+
+def coverage(shards: list[np.ndarray], live: np.ndarray, num_samples: int) -> float:
+    """Fraction of the training samples held by at least one live worker."""
+    held = np.zeros(num_samples, dtype=bool)
+    for shard, alive in zip(shards, live):
+        if alive:
+            held[shard] = True
+    return float(held.mean())
 
 
 def shard_summary(shards: list[np.ndarray], labels: np.ndarray, num_classes: int) -> list[dict]:

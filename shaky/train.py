@@ -29,9 +29,10 @@ from torch.func import functional_call, grad_and_value, vmap
 from shaky.comm.base import Comm
 from shaky.comm.sim import SimComm
 from shaky.config import RunConfig, config_from_dict, load_toml, to_dict, to_toml
-from shaky.data import Dataset, load_dataset, partition, shard_summary
+from shaky.data import Dataset, assign_chunks, coverage, load_dataset, partition, shard_summary
 from shaky.models import FlatParams, build_model
 from shaky.network.clock import Clock
+from shaky.network.faults import FailureSchedule
 from shaky.network.model import LinkSample, NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
 from shaky.strategies import Strategy, build_strategy
 
@@ -53,12 +54,16 @@ class BatchSampler:
     every torch.distributed rank draw the same batches without saving any state.
     """
 
-    def __init__(self, shards: list[np.ndarray], rows: list[int], batch_size: int, seed: int) -> None:
+    def __init__(self, shards: list[np.ndarray], rows: list[int], batch_sizes: tuple[int, ...] | list[int],
+                 seed: int) -> None:
         self.shards = [shards[r] for r in rows]
         self.rows = rows
-        self.batch_size = batch_size
+        self.batch_sizes = [batch_sizes[r] for r in rows]
+        self.width = max(batch_sizes)
         self.seed = seed
         self._perm: dict[tuple[int, int], np.ndarray] = {}
+        # Which slots of the padded [w, width] batch are real samples (workers may differ in batch size).
+        self.mask = torch.tensor([[1.0] * b + [0.0] * (self.width - b) for b in self.batch_sizes])
 
     def _permutation(self, k: int, epoch: int) -> np.ndarray:
         key = (k, epoch)
@@ -70,16 +75,14 @@ class BatchSampler:
         return self._perm[key]
 
     def indices(self, step: int) -> torch.Tensor:
-        """int64 [w, batch_size]: the training samples of each local worker at ``step``."""
-        out = np.empty((len(self.rows), self.batch_size), dtype=np.int64)
-        for k, shard in enumerate(self.shards):
-            n = len(shard)
-            start = step * self.batch_size
-            pos = start + np.arange(self.batch_size)
-            epochs, offsets = np.divmod(pos, n)
+        """int64 [w, width]: each local worker's samples at ``step``, padded (see ``mask``) to the widest batch."""
+        out = np.zeros((len(self.rows), self.width), dtype=np.int64)
+        for k, (shard, b) in enumerate(zip(self.shards, self.batch_sizes)):
+            pos = step * b + np.arange(b)
+            epochs, offsets = np.divmod(pos, len(shard))
             for epoch in np.unique(epochs):
                 sel = epochs == epoch
-                out[k, sel] = self._permutation(k, int(epoch))[offsets[sel]]
+                out[k, :b][sel] = self._permutation(k, int(epoch))[offsets[sel]]
         return torch.from_numpy(out)
 
 
@@ -104,8 +107,9 @@ def _model_functions(model: torch.nn.Module, flat: FlatParams) -> tuple[Callable
     def logits(row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return functional_call(model, flat.unflatten(row), (x,))
 
-    def loss(row: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits(row, x), y)
+    def loss(row: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # The mean over the worker's real samples; padding slots (mask 0) weigh nothing.
+        return (F.cross_entropy(logits(row, x), y, reduction="none") * mask).sum() / mask.sum()
 
     # All workers' forward and backward as one computation over the leading axis.
     return vmap(grad_and_value(loss)), logits
@@ -126,10 +130,11 @@ def _measure_compute_ms(setup: Setup, params: torch.Tensor) -> float:
     if key not in _COMPUTE_MS:
         n = min(cfg.batch_size, len(setup.data.y_train))
         x, y = setup.data.x_train[None, :n], setup.data.y_train[None, :n]
+        mask = torch.ones(1, n, dtype=x.dtype if x.is_floating_point() else setup.dtype)
         times = []
         for i in range(10):
             t0 = time.perf_counter()
-            setup.grad_fn(params[:1], x, y)
+            setup.grad_fn(params[:1], x, y, mask)
             if i >= 3:  # the first calls pay for allocation and dispatch warm-up
                 times.append(time.perf_counter() - t0)
         _COMPUTE_MS[key] = float(min(times) * 1e3)
@@ -143,8 +148,9 @@ def prepare(cfg: RunConfig) -> Setup:
                         test_fraction=cfg.data.test_fraction, max_len=cfg.data.max_len)
     if data.x_train.is_floating_point():
         data = dataclasses.replace(data, x_train=data.x_train.to(dtype), x_test=data.x_test.to(dtype))
-    shards = partition(data.y_train.numpy(), cfg.num_workers, kind=cfg.data.partition, seed=cfg.seed,
+    chunks = partition(data.y_train.numpy(), cfg.num_workers, kind=cfg.data.partition, seed=cfg.seed,
                        alpha=cfg.data.dirichlet_alpha)
+    shards = assign_chunks(chunks, cfg.strategy.redundancy)
     model = build_model(cfg.model.name, input_shape=data.input_shape, num_classes=data.num_classes,
                         vocab_size=data.vocab_size, hidden=cfg.model.hidden, seed=cfg.seed).to(dtype)
     flat = FlatParams(model)
@@ -161,10 +167,29 @@ def prepare(cfg: RunConfig) -> Setup:
     return setup
 
 
-def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, chunk: int = 2048) -> dict[str, float]:
-    """Test metrics of the averaged model and of each worker, and the consensus distance."""
-    mean = comm.mean(params)[:1]
-    consensus = comm.mean((params - mean).pow(2).sum(dim=1, keepdim=True))[0, 0]
+def gradient_diversity(grads: torch.Tensor, comm: Comm, weights: torch.Tensor | None) -> float:
+    """sum_i ||g_i||^2 / ||sum_i g_i||^2 over the live workers (Yin et al. 2018): 1/n for equal gradients."""
+    n = comm.num_workers if weights is None else float(weights.sum())
+    mean_sq = comm.mean(grads.pow(2).sum(dim=1, keepdim=True), weights)[0, 0]
+    mean_grad = comm.mean(grads, weights)[0]
+    return float(mean_sq / (n * mean_grad.pow(2).sum()))
+
+
+def _keep_dead_rows(new: Any, old: Any, live_rows: torch.Tensor) -> Any:
+    """``new`` with the rows of dead workers taken from ``old``, through any tuple/NamedTuple of tensors."""
+    if isinstance(new, torch.Tensor) and new.dim() > 0 and new.shape[0] == live_rows.shape[0]:
+        return torch.where(live_rows.reshape(-1, *([1] * (new.dim() - 1))), new, old)
+    if isinstance(new, tuple):
+        kept = [_keep_dead_rows(n, o, live_rows) for n, o in zip(new, old)]
+        return type(new)(*kept) if hasattr(new, "_fields") else type(new)(kept)
+    return new
+
+
+def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, weights: torch.Tensor | None = None,
+             chunk: int = 2048) -> dict[str, float]:
+    """Test metrics of the averaged model and of each worker, and the consensus distance (over live workers)."""
+    mean = comm.mean(params, weights)[:1]
+    consensus = comm.mean((params - mean).pow(2).sum(dim=1, keepdim=True), weights)[0, 0]
     x, y = setup.data.x_test, setup.data.y_test
     avg_correct = avg_loss = 0.0
     worker_correct = torch.zeros(params.shape[0], dtype=torch.float64)
@@ -176,7 +201,7 @@ def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, chunk: int = 2048) 
             avg_loss += float(F.cross_entropy(out, ys, reduction="sum"))
             avg_correct += float((out.argmax(-1) == ys).sum())
             worker_correct += (per_worker(params, xs).argmax(-1) == ys).sum(dim=1).double()
-    worker_acc = comm.mean((worker_correct / len(y))[:, None])[0, 0]
+    worker_acc = comm.mean((worker_correct / len(y))[:, None], weights)[0, 0]
     return {"test_accuracy": avg_correct / len(y), "test_loss": avg_loss / len(y),
             "worker_test_accuracy": float(worker_acc), "consensus_distance": float(consensus)}
 
@@ -238,6 +263,8 @@ class Counters:
     messages_dropped: int = 0
     train_loss_sum: float = 0.0
     train_loss_count: int = 0
+    comm_rounds: int = 0
+    rounds_to_target: int = -1
 
 
 def _round_masks(network: NetworkModel, upto: int) -> list[LinkSample]:
@@ -266,7 +293,10 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     cfg = setup.cfg
     comm = comm or SimComm(cfg.num_workers)
     rows = comm.rows.tolist()
-    sampler = BatchSampler(setup.shards, rows, cfg.batch_size, cfg.seed)
+    sampler = BatchSampler(setup.shards, rows, cfg.worker_batch_sizes(), cfg.seed)
+    batch_mask = sampler.mask.to(setup.dtype)
+    failures = FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps)
+    held = [set(s.tolist()) for s in setup.shards] if cfg.failures else None
     clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms)
     x_train, y_train = setup.data.x_train, setup.data.y_train
     strategy = setup.strategy
@@ -301,12 +331,17 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
                 f.write(json.dumps(row) + "\n")
         bar.report(row)
 
-    def metrics_row() -> dict[str, Any]:
+    def metrics_row(grads: torch.Tensor | None, live_weights: torch.Tensor | None) -> dict[str, Any]:
         c = counters
         train_loss = c.train_loss_sum / c.train_loss_count if c.train_loss_count else None
+        live = failures.live(max(c.step - 1, 0))
         return {"step": c.step, "sim_time_s": c.sim_time_s, "bytes_sent": c.bytes_sent,
                 "messages_sent": c.messages_sent, "messages_dropped": c.messages_dropped,
-                "train_loss": train_loss, **evaluate(setup, params, comm),
+                "comm_rounds": c.comm_rounds, "live_workers": int(live.sum()),
+                "coverage": 1.0 if held is None else
+                len(set().union(*(h for h, alive in zip(held, live.tolist()) if alive))) / len(y_train),
+                "gradient_diversity": None if grads is None else gradient_diversity(grads, comm, live_weights),
+                "train_loss": train_loss, **evaluate(setup, params, comm, live_weights),
                 "lr": strategy.sgd.lr(max(c.step - 1, 0)) if hasattr(strategy, "sgd") else None,
                 "wall_time_s": c.wall_time_s + time.perf_counter() - t_start}
 
@@ -322,29 +357,44 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     bar = Progress(cfg.steps, counters.step, label, progress and writer)
     last = None
     if counters.step == 0:
-        last = metrics_row()
+        last = metrics_row(None, None)
         log(last)
     while counters.step < cfg.steps:
         step = counters.step
+        rejoined = failures.rejoined(step)
+        if bool(rejoined.any()):  # a returning worker starts from the live workers' average model
+            synced = comm.mean(params, failures.live(step - 1).to(params.dtype))
+            params = torch.where(rejoined[rows][:, None], synced, params)
         idx = sampler.indices(step)
-        grads, losses = setup.grad_fn(params, x_train[idx], y_train[idx])
-        links = setup.network.sample(step)
-        masks.append(links)
-        params, state, stats = strategy.step(params, grads, state, comm, links)
+        grads, losses = setup.grad_fn(params, x_train[idx], y_train[idx], batch_mask)
+        raw_links = setup.network.sample(step)
+        masks.append(raw_links)
+        links = failures.apply(raw_links)
+        new_params, new_state, stats = strategy.step(params, grads, state, comm, links)
+        if links.live is not None:  # a failed worker neither computes nor changes
+            live_rows = links.live[rows]
+            new_params = torch.where(live_rows[:, None], new_params, params)
+            new_state = _keep_dead_rows(new_state, state, live_rows)
+        params, state = new_params, new_state
+        live_weights = None if links.live is None else links.live.to(params.dtype)
 
         counters.step = step + 1
         counters.sim_time_s += clock.step_seconds(stats.phases)
         counters.bytes_sent += stats.bytes_sent
         counters.messages_sent += stats.messages_sent
         counters.messages_dropped += stats.messages_dropped
-        counters.train_loss_sum += float(comm.mean(losses.detach()[:, None])[0, 0])
+        counters.comm_rounds += 1 if stats.phases else 0
+        counters.train_loss_sum += float(comm.mean(losses.detach()[:, None], live_weights)[0, 0])
         counters.train_loss_count += 1
         bar.advance()
 
         if counters.step % cfg.eval_every == 0 or counters.step == cfg.steps:
-            last = metrics_row()
+            last = metrics_row(grads, live_weights)
             log(last)
             counters.train_loss_sum, counters.train_loss_count = 0.0, 0
+            if cfg.target_accuracy and counters.rounds_to_target < 0 and \
+                    last["test_accuracy"] >= cfg.target_accuracy:
+                counters.rounds_to_target = counters.comm_rounds
             if not math.isfinite(last["test_loss"]):
                 bar.close()
                 raise FloatingPointError(f"training diverged at step {counters.step} (loss is not finite); "
@@ -363,6 +413,9 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
         "final_test_accuracy": last["test_accuracy"], "final_test_loss": last["test_loss"],
         "final_train_loss": last["train_loss"], "final_worker_test_accuracy": last["worker_test_accuracy"],
         "consensus_distance": last["consensus_distance"], "bytes_sent": counters.bytes_sent,
+        "comm_rounds": counters.comm_rounds,
+        "rounds_to_target": counters.rounds_to_target if counters.rounds_to_target >= 0 else None,
+        "target_accuracy": cfg.target_accuracy, "live_workers": last["live_workers"], "coverage": last["coverage"],
         "messages_sent": counters.messages_sent, "messages_dropped": counters.messages_dropped,
         "sim_time_s": counters.sim_time_s, "wall_time_s": last["wall_time_s"], "steps": counters.step,
         "compute_ms": setup.compute_ms, "strategy": cfg.strategy.name, "num_workers": cfg.num_workers,

@@ -332,7 +332,7 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
     ("network.compute_ms", math.nan, "network.compute_ms must be a finite number, got nan"),
     ("data.dataset", "mnist", "data.dataset must be one of digits, iris, wine, breast_cancer, mnist1d, cifar10, "
                               "text; got 'mnist'"),
-    ("data.partition", "random", "data.partition must be one of iid, dirichlet; got 'random'"),
+    ("data.partition", "random", "data.partition must be one of iid, dirichlet, label-skew; got 'random'"),
     ("data.dirichlet_alpha", 0.0, "data.dirichlet_alpha must be in (0, inf], got 0.0"),
     ("data.test_fraction", 0.0, "data.test_fraction must be in (0, 1), got 0.0"),
     ("data.test_fraction", 1.0, "data.test_fraction must be in (0, 1), got 1.0"),
@@ -342,7 +342,7 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
     ("model.name", "vgg", "model.name must be one of logreg, mlp, cnn, resnet20, resnet32, resnet44, resnet56, "
                           "resnet110, lstm; got 'vgg'"),
     ("model.hidden", -1, "model.hidden must be >= 0, got -1"),
-    ("strategy.name", "gossip", "strategy.name must be one of allreduce, lossy-allreduce, rps; got 'gossip'"),
+    ("strategy.name", "gossip", "strategy.name must be one of allreduce, lossy-allreduce, rps, local-sgd, ri-sgd, dts; got 'gossip'"),
 ]
 
 

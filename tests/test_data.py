@@ -228,7 +228,7 @@ def test_dirichlet_fills_empty_workers() -> None:
 
 def test_partition_errors() -> None:
     labels = np.arange(5) % 2
-    assert PARTITIONS == ("iid", "dirichlet")
+    assert PARTITIONS == ("iid", "dirichlet", "label-skew")
     with pytest.raises(ValueError, match=r"num_workers \(6\).*\(5\)"):
         partition(labels, 6, seed=0)
     with pytest.raises(ValueError, match="num_workers"):

@@ -44,7 +44,7 @@ def test_one_worker_equals_plain_sgd(strategy: str, tmp_run) -> None:
     setup = prepare(cfg)
     model = build_model("mlp", input_shape=setup.data.input_shape, num_classes=setup.data.num_classes, seed=cfg.seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    sampler = BatchSampler(setup.shards, [0], cfg.batch_size, cfg.seed)
+    sampler = BatchSampler(setup.shards, [0], [cfg.batch_size], cfg.seed)
     for t in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = 0.05 * min(1.0, (t + 1) / 5) * (0.5 if t >= 20 else 1.0)

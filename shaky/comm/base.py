@@ -25,16 +25,22 @@ class Comm(Protocol):
     rows: torch.Tensor
     """int64 [w]: the global worker index of each local row."""
 
-    def mean(self, x: torch.Tensor) -> torch.Tensor:
-        """Exact average over all W workers (a reliable all-reduce), returned on every local row."""
+    def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Exact average over all W workers (a reliable all-reduce), returned on every local row.
+
+        ``weights`` (float [W], global) weighs each worker's row: 0 leaves a dead worker
+        out, a batch size weighs by samples. None is the plain mean.
+        """
         ...
 
-    def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
         """The two-phase exchange of RPS (Yu et al. 2019) over a lossy network.
 
-        x [w, D] is cut into W blocks; worker j serves block j. Phase 1: server j
-        averages block j over the senders i with ``up[i, j]`` (its own always
-        arrives). Phase 2: worker i takes server j's average where ``down[j, i]``,
-        and keeps its own block j otherwise.
+        x [w, D] is cut into W blocks; block j is served by worker ``servers[j]``
+        (worker j if None). Phase 1: the server averages block j over the senders i
+        whose message arrived (``up[i, server]``; its own always does), weighted by
+        ``weights`` if given. Phase 2: worker i takes that average where
+        ``down[server, i]``, and keeps its own block j otherwise.
         """
         ...

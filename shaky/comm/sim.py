@@ -14,17 +14,23 @@ class SimComm:
         self.num_workers = num_workers
         self.rows = torch.arange(num_workers)
 
-    def mean(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean(dim=0, keepdim=True).expand_as(x)
+    def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        if weights is None:
+            return x.mean(dim=0, keepdim=True).expand_as(x)
+        w = weights.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
+        return ((x * w).sum(dim=0, keepdim=True) / w.sum()).expand_as(x)
 
-    def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
+        if servers is not None:  # block j travels on the links of the worker that serves it
+            up, down = up[:, servers], down[servers, :]
         w, dim = x.shape
         sizes = block_sizes(dim, w)
         # Blocks come in at most two sizes (larger ones first), so each group is a
         # plain reshape [W senders, blocks, size]: no gather, no Python loop over workers.
         big = sizes.count(sizes[0])
         groups = [(0, big, sizes[0]), (big, w, sizes[-1])] if big < w else [(0, w, sizes[0])]
-        up_f = up.to(x.dtype)
+        up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
         out = torch.empty_like(x)
         start = 0
         for first, last, size in groups:

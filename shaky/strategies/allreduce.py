@@ -15,7 +15,7 @@ import torch
 
 from shaky.comm.base import Comm
 from shaky.network.model import LinkSample
-from shaky.strategies.base import SGDState, SGDStrategy, StepStats, block_exchange_traffic
+from shaky.strategies.base import SGDState, SGDStrategy, StepStats
 
 
 class AllReduce(SGDStrategy):
@@ -23,8 +23,9 @@ class AllReduce(SGDStrategy):
 
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState, comm: Comm,
              links: LinkSample) -> tuple[torch.Tensor, SGDState, StepStats]:
-        params, state = self.sgd.update(params, comm.mean(grads), state)
-        return params, state, StepStats(block_exchange_traffic(grads, comm.num_workers, links, reliable=True))
+        averaged, stats = self.reliable_mean(grads, comm, links)
+        params, state = self.sgd.update(params, averaged, state)
+        return params, state, stats
 
 
 class LossyAllReduce(SGDStrategy):
@@ -32,6 +33,6 @@ class LossyAllReduce(SGDStrategy):
 
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState, comm: Comm,
              links: LinkSample) -> tuple[torch.Tensor, SGDState, StepStats]:
-        averaged = comm.block_average(grads, links.up, links.down)
+        averaged, stats = self.lossy_average(grads, comm, links)
         params, state = self.sgd.update(params, averaged, state)
-        return params, state, StepStats(block_exchange_traffic(grads, comm.num_workers, links, reliable=False))
+        return params, state, stats

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from shaky.comm.base import Comm, block_sizes
-from shaky.config import OptimConfig
+from shaky.config import OptimConfig, StrategyConfig
 from shaky.network.clock import PhaseTraffic
 from shaky.network.model import LinkSample
 
@@ -81,23 +81,55 @@ class SGD:
 
 
 class SGDStrategy:
-    """Base of the strategies whose only state is the SGD state."""
+    """Base of the strategies built on per-worker SGD: the optimizer, the averaging weights, and the two ways
+    of averaging (reliable mean, lossy block exchange) with failed workers left out."""
 
     name = ""
 
-    def __init__(self, sgd: SGD) -> None:
+    def __init__(self, sgd: SGD, cfg: StrategyConfig | None = None,
+                 sample_weights: torch.Tensor | None = None) -> None:
         self.sgd = sgd
+        self.cfg = cfg or StrategyConfig(name=self.name)
+        self.sample_weights = sample_weights
+        """float [W]: each worker's weight in an average (its batch size), or None for equal weights."""
 
     def init(self, params: torch.Tensor) -> SGDState:
         return self.sgd.init(params)
 
+    def weights(self, links: LinkSample) -> torch.Tensor | None:
+        """Averaging weights of this round: the sample weights, 0 for a dead worker."""
+        if links.live is None:
+            return self.sample_weights
+        live = links.live.to(torch.float64)
+        return live if self.sample_weights is None else live * self.sample_weights
 
-@lru_cache(maxsize=32)
-def _block_link_bytes(dim: int, num_workers: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    def reliable_mean(self, x: torch.Tensor, comm: Comm, links: LinkSample) -> tuple[torch.Tensor, StepStats]:
+        """The exact (weighted) average over live workers, over a transport that resends what it loses."""
+        return comm.mean(x, self.weights(links)), StepStats(block_exchange_traffic(x, comm.num_workers, links,
+                                                                                   reliable=True))
+
+    def lossy_average(self, x: torch.Tensor, comm: Comm, links: LinkSample) -> tuple[torch.Tensor, StepStats]:
+        """RPS's two-phase block average over the lossy network, with failed servers' blocks moved on."""
+        out = comm.block_average(x, links.up, links.down, weights=self.weights(links), servers=links.servers)
+        return out, StepStats(block_exchange_traffic(x, comm.num_workers, links, reliable=False))
+
+
+@lru_cache(maxsize=64)
+def _block_link_bytes(dim: int, num_workers: int, itemsize: int, servers: tuple[int, ...] | None,
+                      live: tuple[bool, ...] | None) -> tuple[np.ndarray, np.ndarray]:
     sizes = np.asarray(block_sizes(dim, num_workers), dtype=np.float64) * itemsize
-    off_diagonal = ~np.eye(num_workers, dtype=bool)
-    up = np.where(off_diagonal, sizes[None, :], 0.0)    # worker i -> server j carries block j
-    down = np.where(off_diagonal, sizes[:, None], 0.0)  # server j -> worker i carries block j
+    if servers is None and live is None:
+        off_diagonal = ~np.eye(num_workers, dtype=bool)
+        up = np.where(off_diagonal, sizes[None, :], 0.0)    # worker i -> server j carries block j
+        down = np.where(off_diagonal, sizes[:, None], 0.0)  # server j -> worker i carries block j
+    else:
+        srv = np.asarray(servers if servers is not None else range(num_workers))
+        alive = np.asarray(live if live is not None else [True] * num_workers)
+        # [worker i, block j]: i sends block j to its server (and gets it back) if i lives and is not the server.
+        carries = alive[:, None] & (np.arange(num_workers)[:, None] != srv[None, :])
+        up = np.zeros((num_workers, num_workers))
+        np.add.at(up, (np.nonzero(carries)[0], srv[np.nonzero(carries)[1]]), sizes[np.nonzero(carries)[1]])
+        down = up.T.copy()
     up.flags.writeable = down.flags.writeable = False
     return up, down
 
@@ -109,5 +141,7 @@ def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSa
     A reliable all-reduce (reduce-scatter then all-gather) moves the same blocks as
     RPS's two phases: (W-1)/W of the vector out of and into each worker per phase.
     """
-    up, down = _block_link_bytes(params.shape[-1], num_workers, params.element_size())
+    servers = tuple(links.servers.tolist()) if links.servers is not None else None
+    live = tuple(links.live.tolist()) if links.live is not None else None
+    up, down = _block_link_bytes(params.shape[-1], num_workers, params.element_size(), servers, live)
     return PhaseTraffic(up, links.up, reliable), PhaseTraffic(down, links.down, reliable)

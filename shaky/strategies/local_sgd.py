@@ -1,0 +1,45 @@
+"""Model averaging: RPS, local SGD and RI-SGD are one update with a period.
+
+RPS (Yu et al., "Distributed Learning over Unreliable Networks", ICML 2019,
+Algorithm 1): every worker takes a local SGD step, v_i = x_i - lr * g_i; then
+the model (not the gradient) goes through the two lossy phases: server j
+averages block j over the v_i that arrived, and worker i sets x_i[j] to that
+average if it arrived, else keeps v_i[j]. With no drops this is synchronous SGD.
+
+Local SGD averages the same way, but only every tau = ``period`` steps; tau = 1
+is RPS. RI-SGD (Haddadpour et al., "Trading Redundancy for Communication",
+ICML 2019) is local SGD on redundant data: each worker samples from q of the W
+data chunks (see ``shaky.data.assign_chunks``); the update itself is this one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shaky.comm.base import Comm
+from shaky.network.model import LinkSample
+from shaky.strategies.base import SGDState, SGDStrategy, StepStats
+
+
+class LocalSGD(SGDStrategy):
+    name = "local-sgd"
+
+    @property
+    def period(self) -> int:
+        return self.cfg.period
+
+    def step(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState, comm: Comm,
+             links: LinkSample) -> tuple[torch.Tensor, SGDState, StepStats]:
+        local, state = self.sgd.update(params, grads, state)
+        if state.count % self.period:
+            return local, state, StepStats()
+        averaged, stats = self.lossy_average(local, comm, links)
+        return averaged, state, stats
+
+
+class RPS(LocalSGD):
+    name = "rps"
+
+
+class RISGD(LocalSGD):
+    name = "ri-sgd"
