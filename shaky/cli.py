@@ -1,4 +1,4 @@
-"""The command line: ``shaky train`` and ``shaky demo``.
+"""The command line: ``shaky train``, ``shaky demo`` and ``shaky scale``.
 
 Bad input (a setting that does not exist, a value out of range, a data path
 that cannot be read) prints one line naming the setting and the value and exits
@@ -18,7 +18,7 @@ EXIT_BAD_INPUT = 2
 
 # CLI flag -> dotted config key. Every other setting is reachable with --set KEY=VALUE.
 _FLAGS: dict[str, tuple[str, type, str]] = {
-    "strategy": ("strategy.name", str, "allreduce, lossy-allreduce or rps"),
+    "strategy": ("strategy.name", str, "allreduce, lossy-allreduce, rps, local-sgd, ri-sgd or dts"),
     "workers": ("num_workers", int, "number of workers W"),
     "drop_rate": ("network.drop_rate", float, "probability that a message is lost, in [0, 1)"),
     "preset": ("network.preset", str, "network preset: lan or lossy"),
@@ -34,6 +34,7 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "eval_every": ("eval_every", int, "evaluate every N steps"),
     "checkpoint_every": ("checkpoint_every", int, "write a checkpoint every N steps"),
     "replay_trace": ("network.trace", str, "run directory whose delivery masks are replayed"),
+    "backend": ("backend", str, "sim (one process) or dist (one worker per torchrun process)"),
 }
 
 
@@ -67,7 +68,44 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", metavar="DIR", default="runs/demo", help="where runs, table and plot go")
     demo.add_argument("--steps", type=int, default=600, help="training steps per run")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
+
+    scale = sub.add_parser("scale", help="scalability of allreduce, local-sgd and dts from the simulated clock alone",
+                           description="Scalability (throughput of W workers over W times one worker's without "
+                           "communication, in simulated time) against latency and against W; no model is "
+                           "trained and no message is lost. See docs/clock.md.")
+    scale.add_argument("--config", metavar="FILE.toml", help="a TOML file whose [network] table (and num_workers) "
+                       "describe the network, e.g. your own latency_ms and bandwidth_mbps matrices")
+    scale.add_argument("--preset", default=None, help="network preset: lan, lossy or geo4 (default geo4 "
+                       "without --config)")
+    scale.add_argument("--set", action="append", default=[], metavar="network.KEY=VALUE",
+                       help="any network setting, e.g. --set network.wan_bandwidth_mbps=1000 (repeatable)")
+    scale.add_argument("--workers", type=int, default=None, help="W for the latency sweep (default 32, or the "
+                       "config's num_workers)")
+    scale.add_argument("--worker-counts", type=_int_list, default=None, metavar="W1,W2,...",
+                       help="W for the worker sweep (default 4,8,16,32,64)")
+    scale.add_argument("--latencies-ms", type=_float_list, default=None, metavar="L1,L2,...",
+                       help="one-way latencies between regions for the latency sweep (default 0,50,100,200,...,1000)")
+    scale.add_argument("--params", type=float, default=25.6e6, help="values in one message, float32 "
+                       "(default 25.6e6, ResNet-50)")
+    scale.add_argument("--compute-ms", type=float, default=300.0, help="compute time of one step (default 300)")
+    scale.add_argument("--delay", type=int, default=None, help="dts's t (default: the recommended value, see "
+                       "docs/clock.md)")
+    scale.add_argument("--period", type=int, default=None, help="dts's d and local-sgd's tau (default: as --delay)")
+    scale.add_argument("--out", metavar="FILE.png", default="runs/scale.png", help="where the plot goes "
+                       "(a Markdown table goes beside it)")
     return parser
+
+
+def _number_list(kind: type) -> typing.Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(item) for item in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
+    return parse
+
+
+_int_list, _float_list = _number_list(int), _number_list(float)
 
 
 def _config_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -100,10 +138,64 @@ def cmd_train(args: argparse.Namespace) -> int:
         setup = prepare(cfg)
     except (ValueError, TypeError) as exc:
         raise BadInput(str(exc)) from None
+    if cfg.backend == "dist":
+        return _train_dist(args, setup, run_dir)
     summary = train(setup, run_dir, resume=bool(args.resume), label=cfg.strategy.name, progress=not args.quiet)
     if not args.quiet:
         print(json.dumps(summary, indent=2))
     print(f"run directory: {run_dir}")
+    return 0
+
+
+def _checkpoint_note(run_dir: Path) -> str:
+    import torch  # noqa: PLC0415
+
+    from shaky.train import CHECKPOINT_FILE  # noqa: PLC0415
+
+    path = run_dir / CHECKPOINT_FILE
+    if not path.exists():
+        return "none yet (start again)"
+    step = torch.load(path, weights_only=False)["counters"]["step"]
+    return f"{path} at step {step}; resume with torchrun ... -m shaky train --resume {run_dir}"
+
+
+def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
+    """One worker of a torchrun job: rank 0 picks the run directory and writes it; all ranks train."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from shaky.comm.dist import DistComm, broadcast_object, init_from_env  # noqa: PLC0415
+    from shaky.train import train  # noqa: PLC0415
+
+    cfg = setup.cfg
+    try:
+        init_from_env(cfg.dist_timeout_s)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    comm = DistComm()
+    if comm.num_workers != cfg.num_workers:
+        raise BadInput(f"num_workers is {cfg.num_workers} but torchrun started {comm.num_workers} processes; "
+                       "they must match (one worker per process)")
+    # Every rank must agree on what rank 0 decided or measured.
+    run_dir = Path(str(broadcast_object(str(run_dir))))
+    setup.compute_ms = float(broadcast_object(setup.compute_ms))
+    writer = comm.rank == 0
+    try:
+        summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
+                        label=cfg.strategy.name, progress=not args.quiet)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        found = comm.diagnose_failure(cfg.dist_timeout_s)
+        who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
+               "rank 0, which hosts the rendezvous store, is gone")
+        print(f"shaky: error: {who} (rank {comm.rank} saw: {' '.join(str(exc).split())[:100]}); "
+              f"last checkpoint: {_checkpoint_note(run_dir)}", file=sys.stderr)
+        return 3
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if writer:
+        if not args.quiet:
+            print(json.dumps(summary, indent=2))
+        print(f"run directory: {run_dir}")
     return 0
 
 
@@ -164,10 +256,103 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_SCALE_WORKERS = 256
+
+
+def _scale_network(args: argparse.Namespace) -> tuple[dict[str, Any], int | None]:
+    """The network settings for ``shaky scale`` (file, then preset, then --set) and the file's num_workers."""
+    from shaky.config import load_toml, parse_value, set_dotted  # noqa: PLC0415
+
+    values: dict[str, Any] = {}
+    file_workers = None
+    if args.config:
+        loaded = load_toml(args.config)
+        values = {"network": loaded.get("network", {})}
+        file_workers = loaded.get("num_workers")
+        if file_workers is not None and (isinstance(file_workers, bool) or not isinstance(file_workers, int)):
+            raise BadInput(f"num_workers must be an integer, got {file_workers!r} (in {args.config})")
+    if args.preset is not None or not args.config:
+        set_dotted(values, "network.preset", args.preset if args.preset is not None else "geo4")
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BadInput(f"--set expects KEY=VALUE, got {item!r}")
+        if not key.startswith("network."):
+            raise BadInput(f"scale: --set takes network settings only (network.KEY=VALUE), got {key!r}")
+        set_dotted(values, key, parse_value(text.strip()))
+    return values, file_workers
+
+
+def _scale_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], int, list[int], list[float], Path]:
+    """Checks ``shaky scale``'s flags: network values, W, the worker counts, the latencies, the plot path."""
+    try:
+        values, file_workers = _scale_network(args)
+    except (ValueError, TypeError) as exc:
+        raise BadInput(str(exc)) from None
+    workers = args.workers if args.workers is not None else (file_workers if file_workers is not None else 32)
+    counts = args.worker_counts or ([workers] if file_workers is not None else [4, 8, 16, 32, 64])
+    latencies = args.latencies_ms if args.latencies_ms is not None else [0, 50, 100] + list(range(200, 1001, 100))
+    # The clock holds a W x W matrix for each of a ring's 2(W-1) hops: 256 workers already take 270 MB.
+    in_range = f"in [1, {MAX_SCALE_WORKERS}]"
+    checks = [("--workers", workers, 1 <= workers <= MAX_SCALE_WORKERS, in_range),
+              ("--params", args.params, 1 <= args.params < float("inf"), "a number >= 1"),
+              ("--compute-ms", args.compute_ms, 0 < args.compute_ms < float("inf"), "a positive number"),
+              ("--delay", args.delay, args.delay is None or args.delay >= 1, ">= 1"),
+              ("--period", args.period, args.period is None or args.period >= 1, ">= 1")]
+    checks += [("--worker-counts", w, 1 <= w <= MAX_SCALE_WORKERS, in_range) for w in counts]
+    checks += [("--latencies-ms", v, 0 <= v < float("inf"), "a number >= 0") for v in latencies]
+    for flag, value, ok, expected in checks:
+        if not ok:
+            raise BadInput(f"{flag} must be {expected}, got {value!r}")
+    out = Path(args.out)
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if out.is_dir() or blocker is not None:
+        raise BadInput(f"--out {str(out)!r} cannot be written: {str(blocker or out)!r} is "
+                       f"{'a file' if blocker else 'a directory'}")
+    return values, workers, counts, latencies, out
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from shaky import scale  # noqa: PLC0415
+
+    values, workers, counts, latencies, out = _scale_inputs(args)
+    work = scale.Workload(int(args.params), args.compute_ms)
+    try:
+        base = scale.network_config(values, workers)
+        for w in counts:
+            scale.network_config(values, w)
+    except (ValueError, TypeError) as exc:
+        raise BadInput(str(exc)) from None
+    recommended = scale.recommended_period(base, work)
+    delay = args.delay if args.delay is not None else recommended
+    period = args.period if args.period is not None else delay
+    sweeps = [scale.sweep_latency(values, workers, latencies, work, period=period, delay=delay),
+              scale.sweep_workers(values, counts, work, period=period, delay=delay)]
+    net = base.network
+    where = (f"{len(net.regions)} regions, {net.wan_bandwidth_mbps:g} Mbit/s between them" if net.regions
+             else "one site")
+    title = (f"{work.num_params / 1e6:g}M float32 per message ({work.num_params * 4 / 1e6:g} MB), "
+             f"{work.compute_ms:g} ms compute per step, {where}")
+    worker_axis = "latencies between regions as measured" if net.regions else "latencies as configured"
+    print(f"scalability (clock alone, nothing lost): {title}")
+    print(f"one dts exchange at W = {workers}: {scale.exchange_seconds('dts', base, work):.3f} s, "
+          f"one allreduce: {scale.exchange_seconds('allreduce', base, work):.3f} s; "
+          f"recommended t = d = {recommended}; using t = {delay}, d = tau = {period}\n")
+    texts = [f"latency sweep, W = {workers}:\n{scale.table(sweeps[0], period, delay)}",
+             f"worker sweep, {worker_axis}:\n{scale.table(sweeps[1], period, delay)}"]
+    print("\n\n".join(texts))
+    png = scale.plot(sweeps, out, period=period, delay=delay, title=title,
+                     subtitles=[f"W = {workers}", worker_axis])
+    out.with_suffix(".md").write_text(f"{title}\n\n" + "\n\n".join(texts) + "\n")
+    print(f"\nplot: {png}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "demo": cmd_demo}[args.command](args)
+        return {"train": cmd_train, "demo": cmd_demo, "scale": cmd_scale}[args.command](args)
     except BadInput as exc:
         # Every user-input check runs before a run directory exists; errors
         # raised later are bugs and keep their traceback.

@@ -23,7 +23,7 @@ Matrix = tuple[tuple[float, ...], ...]
 """A per-link matrix [W, W]: entry [i][j] describes the link from worker i to worker j."""
 
 STRATEGIES = ("allreduce", "lossy-allreduce", "rps", "local-sgd", "ri-sgd", "dts")
-BACKENDS = ("sim",)
+BACKENDS = ("sim", "dist")
 DTYPES = ("float32", "float64")
 
 
@@ -159,13 +159,18 @@ class StrategyConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NetworkConfig:
     preset: str = ""
-    """A named network (lan, lossy); fields set beside it override the preset's values."""
+    """A named network (lan, lossy, geo4); fields set beside it override the preset's values."""
     drop_rate: float | Matrix = 0.0
     """Probability that one message is lost: one number for every link, or a [W][W] matrix."""
     latency_ms: float | Matrix = 0.05
     """One-way latency of a link, in milliseconds."""
     bandwidth_mbps: float | Matrix = 10000.0
     """Bandwidth of a link, in megabits per second."""
+    regions: tuple[str, ...] = ()
+    """Regions the workers are spread over in contiguous blocks (oregon, ohio, london, tokyo); empty = one site.
+    With regions, latency_ms and bandwidth_mbps are one number each, the LAN inside a region."""
+    wan_bandwidth_mbps: float = 100.0
+    """Bandwidth of a link between two regions, in megabits per second (with regions only)."""
     burst_enter: float = 0.0
     """Gilbert-Elliott bursty loss: chance per message slot that a good link turns bad (0 = no bursts)."""
     burst_exit: float = 0.5
@@ -188,6 +193,7 @@ class NetworkConfig:
         _check_scalar_or_matrix("network.latency_ms", self.latency_ms, 0.0, math.inf, hi_open=True)
         _check_scalar_or_matrix("network.bandwidth_mbps", self.bandwidth_mbps, 0.0, math.inf,
                                 lo_open=True, hi_open=True)
+        self._check_regions()
         _check_range("network.burst_enter", self.burst_enter, 0.0, 1.0)
         _check_range("network.burst_exit", self.burst_exit, 0.0, 1.0, lo_open=True)
         _check_range("network.burst_drop_rate", self.burst_drop_rate, 0.0, 1.0)
@@ -195,6 +201,24 @@ class NetworkConfig:
                      hi_open=True)
         if math.isnan(self.compute_ms) or math.isinf(self.compute_ms):
             raise ValueError(f"network.compute_ms must be a finite number, got {self.compute_ms!r}")
+
+    def _check_regions(self) -> None:
+        from shaky.network.presets import REGIONS  # noqa: PLC0415
+
+        _check_range("network.wan_bandwidth_mbps", self.wan_bandwidth_mbps, 0.0, math.inf, lo_open=True,
+                     hi_open=True)
+        for k, region in enumerate(self.regions):
+            _check_choice(f"network.regions[{k}]", region, REGIONS)
+            if region in self.regions[:k]:
+                raise ValueError(f"network.regions lists {region!r} twice")
+        if self.regions:
+            for name in ("latency_ms", "bandwidth_mbps"):
+                if isinstance(getattr(self, name), tuple):
+                    raise ValueError(f"network.{name} must be one number (the link inside a region) when "
+                                     f"network.regions is set; got a matrix")
+        elif self.wan_bandwidth_mbps != 100.0:
+            raise ValueError(f"network.wan_bandwidth_mbps applies only with network.regions "
+                             f"(got {self.wan_bandwidth_mbps!r} and no regions)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -228,7 +252,9 @@ class RunConfig:
     checkpoint_every: int = 0
     """Write a resumable checkpoint every this many steps (0 = only at the end)."""
     backend: str = "sim"
-    """sim: all workers in this process (the torch.distributed backend is not built yet)."""
+    """sim: all workers in this process; dist: one worker per process, started by torchrun (gloo)."""
+    dist_timeout_s: float = 60.0
+    """dist backend: a collective that waits longer than this fails (a dead or hung rank)."""
     dtype: str = "float32"
     """Parameter precision: float32 or float64."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -246,6 +272,7 @@ class RunConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _check_choice("backend", self.backend, BACKENDS)
+        _check_range("dist_timeout_s", self.dist_timeout_s, 0.0, math.inf, lo_open=True, hi_open=True)
         if self.batch_sizes and len(self.batch_sizes) != self.num_workers:
             raise ValueError(f"batch_sizes has {len(self.batch_sizes)} entries but num_workers is {self.num_workers}")
         if any(b < 1 for b in self.batch_sizes):

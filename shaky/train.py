@@ -31,7 +31,7 @@ from shaky.comm.sim import SimComm
 from shaky.config import RunConfig, config_from_dict, load_toml, to_dict, to_toml
 from shaky.data import Dataset, assign_chunks, coverage, load_dataset, partition, shard_summary
 from shaky.models import FlatParams, build_model
-from shaky.network.clock import Clock
+from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule
 from shaky.network.model import LinkSample, NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
 from shaky.strategies import Strategy, build_strategy
@@ -175,6 +175,16 @@ def gradient_diversity(grads: torch.Tensor, comm: Comm, weights: torch.Tensor | 
     return float(mean_sq / (n * mean_grad.pow(2).sum()))
 
 
+def _map_rows(tree: Any, num_rows: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Applies ``fn`` to every tensor with a leading worker axis of ``num_rows`` in a (Named)tuple tree."""
+    if isinstance(tree, torch.Tensor) and tree.dim() > 0 and tree.shape[0] == num_rows:
+        return fn(tree)
+    if isinstance(tree, tuple):
+        mapped = [_map_rows(t, num_rows, fn) for t in tree]
+        return type(tree)(*mapped) if hasattr(tree, "_fields") else type(tree)(mapped)
+    return tree
+
+
 def _keep_dead_rows(new: Any, old: Any, live_rows: torch.Tensor) -> Any:
     """``new`` with the rows of dead workers taken from ``old``, through any tuple/NamedTuple of tensors."""
     if isinstance(new, torch.Tensor) and new.dim() > 0 and new.shape[0] == live_rows.shape[0]:
@@ -304,8 +314,10 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     if resume:
         ckpt = torch.load(run_dir / CHECKPOINT_FILE, weights_only=False)
         params = ckpt["params"][rows]
-        state = ckpt["state"]
+        state = _map_rows(ckpt["state"], cfg.num_workers, lambda t: t[rows])
         counters = Counters(**ckpt["counters"])
+        # Exchanges still in flight at the checkpoint arrive after the resume as they would have without it.
+        clock.state = ckpt.get("clock") or ClockState(counters.step, counters.sim_time_s, counters.sim_time_s)
         masks = _round_masks(setup.network, counters.step)
         if writer:
             _truncate_metrics(run_dir / METRICS_FILE, counters.step)
@@ -346,10 +358,12 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
                 "wall_time_s": c.wall_time_s + time.perf_counter() - t_start}
 
     def save_checkpoint() -> None:
+        full_params, full_state = comm.gather(params), _map_rows(state, len(rows), comm.gather)
         if not writer:
             return
-        blob = {"params": params, "state": state, "counters": {**vars(counters),
-                "wall_time_s": counters.wall_time_s + time.perf_counter() - t_start}, "config": to_dict(cfg)}
+        blob = {"params": full_params, "state": full_state, "counters": {**vars(counters),
+                "wall_time_s": counters.wall_time_s + time.perf_counter() - t_start}, "config": to_dict(cfg),
+                "clock": clock.state}
         _atomic_write(run_dir / CHECKPOINT_FILE, lambda f: torch.save(blob, f), "wb")
         save_trace(run_dir, pack_masks(masks), cfg.num_workers)
 
@@ -361,6 +375,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
         log(last)
     while counters.step < cfg.steps:
         step = counters.step
+        comm.on_step(step)
         rejoined = failures.rejoined(step)
         if bool(rejoined.any()):  # a returning worker starts from the live workers' average model
             synced = comm.mean(params, failures.live(step - 1).to(params.dtype))
@@ -379,7 +394,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
         live_weights = None if links.live is None else links.live.to(params.dtype)
 
         counters.step = step + 1
-        counters.sim_time_s += clock.step_seconds(stats.phases)
+        counters.sim_time_s = clock.advance(stats.phases, stats.delay)
         counters.bytes_sent += stats.bytes_sent
         counters.messages_sent += stats.messages_sent
         counters.messages_dropped += stats.messages_dropped
@@ -418,6 +433,8 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
         "target_accuracy": cfg.target_accuracy, "live_workers": last["live_workers"], "coverage": last["coverage"],
         "messages_sent": counters.messages_sent, "messages_dropped": counters.messages_dropped,
         "sim_time_s": counters.sim_time_s, "wall_time_s": last["wall_time_s"], "steps": counters.step,
+        # Throughput over W times that of one worker that never communicates (docs/clock.md).
+        "scalability": counters.step * setup.compute_ms / 1e3 / counters.sim_time_s if counters.sim_time_s else None,
         "compute_ms": setup.compute_ms, "strategy": cfg.strategy.name, "num_workers": cfg.num_workers,
         "dataset": cfg.data.dataset, "model": cfg.model.name, "seed": cfg.seed,
         "drop_rate": cfg.network.drop_rate if isinstance(cfg.network.drop_rate, float) else "matrix",

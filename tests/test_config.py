@@ -125,7 +125,7 @@ def test_lan_preset() -> None:
 
 @pytest.mark.parametrize("preset", ["wan", 5])
 def test_unknown_preset(preset: Any) -> None:
-    with pytest.raises(ValueError, match=r"network\.preset must be one of lan, lossy; got " + re.escape(repr(preset))):
+    with pytest.raises(ValueError, match=r"network\.preset must be one of lan, lossy, geo4; got " + re.escape(repr(preset))):
         config_from_dict({"network": {"preset": preset}})
     if isinstance(preset, str):  # constructing the section directly checks it too
         with pytest.raises(ValueError, match=r"network\.preset"):
@@ -304,7 +304,7 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
     ("batch_size", 0, "batch_size must be >= 1, got 0"),
     ("eval_every", 0, "eval_every must be >= 1, got 0"),
     ("checkpoint_every", -1, "checkpoint_every must be >= 0, got -1"),
-    ("backend", "mpi", "backend must be one of sim; got 'mpi'"),
+    ("backend", "mpi", "backend must be one of sim, dist; got 'mpi'"),
     ("dtype", "float16", "dtype must be one of float32, float64; got 'float16'"),
     ("optim.lr", 0.0, "optim.lr must be in (0, inf), got 0.0"),
     ("optim.lr", -0.1, "optim.lr must be in (0, inf), got -0.1"),

@@ -28,10 +28,13 @@ def test_replayed_trace_reproduces_the_run_exactly(tmp_run) -> None:
     assert not torch.equal(params, free_params)
 
 
-@pytest.mark.parametrize("strategy,momentum", [("rps", 0.0), ("lossy-allreduce", 0.9), ("allreduce", 0.9)])
-def test_resume_is_bit_identical(strategy: str, momentum: float, tmp_run) -> None:
-    cfg = make_config(steps=60, eval_every=10, checkpoint_every=20, strategy={"name": strategy},
-                      optim={"momentum": momentum}, network={"drop_rate": 0.2})
+@pytest.mark.parametrize("strategy,momentum", [("rps", 0.0), ("lossy-allreduce", 0.9), ("allreduce", 0.9),
+                                               ({"name": "dts", "delay": 7, "period": 2}, 0.9)])
+def test_resume_is_bit_identical(strategy: str | dict, momentum: float, tmp_run) -> None:
+    # DTS with t = 7, d = 2 has averages (and the clock has exchanges) in flight at the checkpoint at step 20.
+    cfg = make_config(steps=60, eval_every=10, checkpoint_every=20,
+                      strategy=strategy if isinstance(strategy, dict) else {"name": strategy},
+                      optim={"momentum": momentum}, network={"drop_rate": 0.2, "latency_ms": 5.0})
     whole, params, rows = run(cfg, tmp_run())
 
     crashed = tmp_run()

@@ -33,6 +33,14 @@ class Comm(Protocol):
         """
         ...
 
+    def on_step(self, step: int) -> None:
+        """Called before each step: the dist backend records progress there (for failure reports)."""
+        ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every worker's rows [W, ...] (for checkpoints); a collective on the dist backend."""
+        ...
+
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
         """The two-phase exchange of RPS (Yu et al. 2019) over a lossy network.

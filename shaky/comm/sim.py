@@ -20,6 +20,12 @@ class SimComm:
         w = weights.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
         return ((x * w).sum(dim=0, keepdim=True) / w.sum()).expand_as(x)
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def on_step(self, step: int) -> None:
+        """Nothing to report: every worker lives in this process."""
+
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
         if servers is not None:  # block j travels on the links of the worker that serves it

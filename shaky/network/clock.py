@@ -1,16 +1,29 @@
-"""The simulated wall clock: compute time plus the time each exchange takes on the network.
+"""The simulated wall clock: compute time, the time each exchange takes on the network, and overlap.
 
 Latency and bandwidth never slow the simulator down; they only move this clock.
-A step costs ``compute_ms`` plus, for each phase of its exchanges, the slowest
-link's ``latency + bytes / bandwidth`` (all links of a phase transfer at once).
-A reliable transport that lost a message in a phase waits the retransmission
-timeout and then resends the lost messages; an unreliable one never waits: what
-did not arrive in time is treated as lost.
+The formulas are in docs/clock.md. In short:
+
+* A *phase* is one round of messages that cross the network at once (one
+  all-to-all phase of RPS's block exchange, or one hop of a ring all-reduce).
+  Every worker has one network port: it sends its messages of a phase one after
+  another and receives them one after another (sending and receiving overlap).
+  A phase lasts until the busiest port has moved its bytes, each message at its
+  link's bandwidth, plus the longest latency among that port's links.
+* A reliable transport that lost a message in a phase waits a retransmission
+  timeout (``retransmit_timeout_ms`` plus the lost link's round trip) and resends
+  the lost messages; an unreliable one never waits: what was lost is lost.
+* An *exchange* is a step's phases, one after another. Exchanges share the
+  links, so they use the network one at a time, in launch order (FIFO).
+* An exchange launched at step n with delay t is needed at the end of step
+  n + t - 1: it overlaps the compute of the next t - 1 steps, and the workers
+  wait only for what has not arrived by then. t = 1 is a synchronous exchange.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -54,6 +67,19 @@ class PhaseTraffic:
         return int(total)
 
 
+class ClockState(NamedTuple):
+    """Everything the clock carries from one step to the next; a checkpoint stores it."""
+
+    step: int = 0
+    """Steps simulated so far."""
+    now_s: float = 0.0
+    """Simulated seconds at the end of the last step."""
+    network_free_s: float = 0.0
+    """When the network has finished every exchange launched so far (exchanges go one at a time)."""
+    pending: tuple[tuple[int, float], ...] = ()
+    """Exchanges in flight: (the step at whose end it is needed, its arrival time in seconds)."""
+
+
 class Clock:
     """Accumulates simulated seconds from compute time and each step's exchanges."""
 
@@ -62,20 +88,87 @@ class Clock:
         self.bytes_per_s = network.bandwidth_mbps * 1e6 / 8
         self.compute_s = compute_ms / 1e3
         self.rto_s = retransmit_timeout_ms / 1e3
+        self.state = ClockState()
 
     def _transfer_s(self, link_bytes: np.ndarray, mask: np.ndarray) -> float:
+        """One round of the messages in ``mask``: the busiest port's bytes plus its longest latency."""
         if not mask.any():
             return 0.0
-        return float((self.latency_s + link_bytes / self.bytes_per_s)[mask].max())
+        tx = np.where(mask, link_bytes / self.bytes_per_s, 0.0)
+        lat = np.where(mask, self.latency_s, 0.0)
+        send = tx.sum(axis=1) + lat.max(axis=1)   # sender i: its messages back to back, the farthest one last
+        receive = tx.sum(axis=0) + lat.max(axis=0)
+        return float(max(send.max(), receive.max()))
 
     def phase_seconds(self, phase: PhaseTraffic) -> float:
         """Seconds until every worker holds what it will get from this phase."""
         seconds = self._transfer_s(phase.link_bytes, phase.sent)
         lost = phase.lost
         if phase.reliable and lost.any():
-            seconds += self.rto_s + self._transfer_s(phase.link_bytes, lost)
+            # TCP's timeout is at least its minimum RTO plus a round trip (Linux: 200 ms + RTT).
+            timeout = self.rto_s + 2.0 * float(self.latency_s[lost].max())
+            seconds += timeout + self._transfer_s(phase.link_bytes, lost)
         return seconds
 
-    def step_seconds(self, phases: tuple[PhaseTraffic, ...]) -> float:
-        """One step: compute, then the phases one after another."""
-        return self.compute_s + sum(self.phase_seconds(p) for p in phases)
+    def exchange_seconds(self, phases: tuple[PhaseTraffic, ...]) -> float:
+        """One exchange: its phases one after another (each needs what the one before delivered)."""
+        return sum((self.phase_seconds(p) for p in phases), 0.0)
+
+    def advance(self, phases: tuple[PhaseTraffic, ...], delay: int = 1) -> float:
+        """Simulates one step that launches the exchange ``phases`` (none if empty); returns the time after it."""
+        return self.tick(self.exchange_seconds(phases) if phases else None, delay)
+
+    def tick(self, exchange_s: float | None, delay: int = 1) -> float:
+        """One step: compute, launch an exchange lasting ``exchange_s`` (None: none), wait for what is due.
+
+        The exchange is needed at the end of step ``step + delay - 1``. It starts when
+        the compute ends or when the network has finished the exchanges before it,
+        whichever is later. The step ends when its compute is done and every exchange
+        due at this step has arrived. Returns the simulated seconds at the end of the step.
+        """
+        if delay < 1:
+            raise ValueError(f"delay must be >= 1, got {delay}")
+        s = self.state
+        compute_end = s.now_s + self.compute_s
+        network_free, pending = s.network_free_s, s.pending
+        if exchange_s is not None:
+            network_free = max(compute_end, network_free) + exchange_s
+            pending = pending + ((s.step + delay - 1, network_free),)
+        end = max([compute_end] + [arrival for due, arrival in pending if due <= s.step])
+        self.state = ClockState(s.step + 1, end, network_free, tuple(p for p in pending if p[0] > s.step))
+        return end
+
+
+def scalability(clock: Clock, exchange_s: float | None, *, period: int = 1, delay: int = 1,
+                steps: int = 0) -> float:
+    """Throughput of W workers over W times that of one worker without communication, in simulated time.
+
+    Every worker computes one mini-batch per step, so the ratio is the compute time of
+    ``steps`` steps over the simulated time they take: an exchange of ``exchange_s``
+    seconds is launched every ``period`` steps and needed ``delay`` steps later. The
+    clock starts afresh; ``steps`` = 0 picks enough steps (at least 100 exchanges) for
+    the start-up, when nothing is due yet, to weigh under 1%.
+    """
+    if period < 1 or delay < 1:
+        raise ValueError(f"period and delay must be >= 1, got period = {period}, delay = {delay}")
+    if clock.compute_s <= 0:
+        raise ValueError(f"scalability needs a positive compute time, got {clock.compute_s * 1e3:g} ms")
+    steps = steps or max(2000, 100 * period, 100 * delay)
+    clock.state = ClockState()
+    end = 0.0
+    for step in range(steps):
+        launch = exchange_s is not None and (step + 1) % period == 0
+        end = clock.tick(exchange_s if launch else None, delay)
+    return steps * clock.compute_s / end
+
+
+def hiding_period(exchange_s: float, compute_ms: float) -> int:
+    """The smallest period (and delay) whose compute hides one exchange: ceil(exchange / compute) + 1.
+
+    With period d = delay t = this value, an exchange launched at the end of a period
+    has the next t - 1 steps of compute to arrive in, and the network has finished it
+    before the next one is launched, so no worker ever waits (docs/clock.md).
+    """
+    if compute_ms <= 0:
+        raise ValueError(f"compute_ms must be > 0, got {compute_ms}")
+    return max(1, math.ceil(exchange_s / (compute_ms / 1e3) - 1e-9) + 1)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from shaky.config import Matrix, NetworkConfig
+from shaky.network.presets import region_of_workers, region_rtt_ms
 
 # Keeps the network's random stream apart from every other stream seeded by the run seed.
 _NETWORK_STREAM = 0x6E6574
@@ -48,6 +49,26 @@ def as_matrix(value: float | Matrix, num_workers: int) -> np.ndarray:
     return np.full((num_workers, num_workers), float(value))
 
 
+def link_matrices(cfg: NetworkConfig, num_workers: int) -> tuple[np.ndarray, np.ndarray]:
+    """One-way latency (ms) and bandwidth (Mbit/s) of every link, [W, W] each.
+
+    Without regions, the settings as given. With ``cfg.regions``, workers are spread
+    over the regions in contiguous blocks; inside a region the scalar ``latency_ms``
+    and ``bandwidth_mbps`` apply (the LAN), between regions half the measured round
+    trip and ``wan_bandwidth_mbps`` (see shaky.network.presets).
+    """
+    latency = as_matrix(cfg.latency_ms, num_workers)
+    bandwidth = as_matrix(cfg.bandwidth_mbps, num_workers)
+    if cfg.regions:
+        region = region_of_workers(len(cfg.regions), num_workers)
+        for i in range(num_workers):
+            for j in range(num_workers):
+                if region[i] != region[j]:
+                    latency[i, j] = region_rtt_ms(cfg.regions[region[i]], cfg.regions[region[j]]) / 2
+                    bandwidth[i, j] = cfg.wan_bandwidth_mbps
+    return latency, bandwidth
+
+
 class NetworkModel:
     """Per-link drop probabilities (optionally bursty), latency and bandwidth for W workers."""
 
@@ -55,8 +76,7 @@ class NetworkModel:
         self.num_workers = num_workers
         self.seed = seed
         self.drop = as_matrix(cfg.drop_rate, num_workers)
-        self.latency_ms = as_matrix(cfg.latency_ms, num_workers)
-        self.bandwidth_mbps = as_matrix(cfg.bandwidth_mbps, num_workers)
+        self.latency_ms, self.bandwidth_mbps = link_matrices(cfg, num_workers)
         self.burst_enter = cfg.burst_enter
         self.burst_exit = cfg.burst_exit
         self.burst_drop = cfg.burst_drop_rate

@@ -5,9 +5,10 @@ import torch
 from shaky.config import RunConfig
 from shaky.strategies.allreduce import AllReduce, LossyAllReduce
 from shaky.strategies.base import SGD, SGDState, StepStats, Strategy
+from shaky.strategies.dts import DTS, DTSState
 from shaky.strategies.local_sgd import RISGD, RPS, LocalSGD
 
-_STRATEGIES = {s.name: s for s in (AllReduce, LossyAllReduce, RPS, LocalSGD, RISGD)}
+_STRATEGIES = {s.name: s for s in (AllReduce, LossyAllReduce, RPS, LocalSGD, RISGD, DTS)}
 
 
 def build_strategy(cfg: RunConfig) -> Strategy:
@@ -16,5 +17,5 @@ def build_strategy(cfg: RunConfig) -> Strategy:
     return _STRATEGIES[cfg.strategy.name](SGD(cfg.optim), cfg.strategy, weights)
 
 
-__all__ = ["RISGD", "RPS", "SGD", "AllReduce", "LocalSGD", "LossyAllReduce", "SGDState", "StepStats", "Strategy",
-           "build_strategy"]
+__all__ = ["DTS", "DTSState", "RISGD", "RPS", "SGD", "AllReduce", "LocalSGD", "LossyAllReduce", "SGDState",
+           "StepStats", "Strategy", "build_strategy"]

@@ -1,5 +1,6 @@
 """What every strategy shares: the Strategy protocol, its step statistics, the
-SGD update, and the traffic pattern of a block exchange."""
+SGD update, and the traffic patterns of its exchanges (RPS's two-phase block
+exchange, a ring all-reduce)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ S = TypeVar("S")
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    """What a step put on the network, phase by phase, for the counters and the clock."""
+    """The exchange a step launched, phase by phase, for the counters and the clock."""
 
     phases: tuple[PhaseTraffic, ...] = ()
+    """The exchange's rounds of messages, in order (empty: the step sends nothing)."""
+    delay: int = 1
+    """The exchange is needed at the end of step n + delay - 1 (1: at the end of this step, synchronous)."""
 
     @property
     def bytes_sent(self) -> int:
@@ -69,7 +73,9 @@ class SGD:
     def init(self, params: torch.Tensor) -> SGDState:
         return SGDState(0, torch.zeros_like(params) if self.cfg.momentum else None)
 
-    def update(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState) -> tuple[torch.Tensor, SGDState]:
+    def _direction(self, params: torch.Tensor, grads: torch.Tensor,
+                   state: SGDState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The descent direction (gradient, weight decay, momentum) and the new momentum buffer."""
         c = self.cfg
         d = grads.add(params, alpha=c.weight_decay) if c.weight_decay else grads
         buf = state.momentum
@@ -77,7 +83,16 @@ class SGD:
             # torch.optim.SGD seeds the buffer with the first gradient; 0 * 0 + d is the same.
             buf = buf.mul(c.momentum).add_(d)
             d = buf
+        return d, buf
+
+    def update(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState) -> tuple[torch.Tensor, SGDState]:
+        d, buf = self._direction(params, grads, state)
         return params.add(d, alpha=-self.lr(state.count)), SGDState(state.count + 1, buf)
+
+    def delta(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState) -> tuple[torch.Tensor, SGDState]:
+        """The change ``update`` would make to ``params`` (-lr * direction), for strategies that exchange updates."""
+        d, buf = self._direction(params, grads, state)
+        return d.mul(-self.lr(state.count)), SGDState(state.count + 1, buf)
 
 
 class SGDStrategy:
@@ -104,9 +119,8 @@ class SGDStrategy:
         return live if self.sample_weights is None else live * self.sample_weights
 
     def reliable_mean(self, x: torch.Tensor, comm: Comm, links: LinkSample) -> tuple[torch.Tensor, StepStats]:
-        """The exact (weighted) average over live workers, over a transport that resends what it loses."""
-        return comm.mean(x, self.weights(links)), StepStats(block_exchange_traffic(x, comm.num_workers, links,
-                                                                                   reliable=True))
+        """The exact (weighted) average over live workers: a ring all-reduce over a transport that resends."""
+        return comm.mean(x, self.weights(links)), StepStats(ring_allreduce_traffic(x, comm.num_workers, links))
 
     def lossy_average(self, x: torch.Tensor, comm: Comm, links: LinkSample) -> tuple[torch.Tensor, StepStats]:
         """RPS's two-phase block average over the lossy network, with failed servers' blocks moved on."""
@@ -145,3 +159,51 @@ def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSa
     live = tuple(links.live.tolist()) if links.live is not None else None
     up, down = _block_link_bytes(params.shape[-1], num_workers, params.element_size(), servers, live)
     return PhaseTraffic(up, links.up, reliable), PhaseTraffic(down, links.down, reliable)
+
+
+@lru_cache(maxsize=64)
+def _ring_link_bytes(dim: int, num_workers: int, itemsize: int,
+                     order: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Bytes on each link in each of the 2(n-1) hops of a ring all-reduce over the workers ``order``."""
+    n = len(order)
+    sizes = np.asarray(block_sizes(dim, n), dtype=np.float64) * itemsize
+    hops = []
+    # Reduce-scatter hop s: the k-th worker of the ring passes its partial sum of chunk k - s on;
+    # all-gather hop s: it passes the finished chunk k + 1 - s on.
+    for first_chunk in (0, 1):
+        for s in range(n - 1):
+            link = np.zeros((num_workers, num_workers))
+            for k in range(n):
+                link[order[k], order[(k + 1) % n]] = sizes[(k + first_chunk - s) % n]
+            link.flags.writeable = False
+            hops.append(link)
+    return tuple(hops)
+
+
+def ring_allreduce_traffic(x: torch.Tensor, num_workers: int, links: LinkSample) -> tuple[PhaseTraffic, ...]:
+    """The 2(n-1) hops of a reliable ring all-reduce (reduce-scatter, then all-gather) of a [.., D] tensor.
+
+    The ring runs over the n live workers in index order; in every hop each sends one
+    chunk of about D/n values to the next, so a hop lasts as long as the ring's slowest
+    link. Messages, bytes and losses match the block exchange (2n(n-1) messages of a
+    chunk each). Whether a hop's message arrived is read from the round's masks: hop s
+    of the reduce-scatter takes sender i's draw in ``up`` towards the (s+1)-th live
+    worker after it, the all-gather the same in ``down``, so every draw is used once
+    (with a per-link drop matrix, a ring message is lost at the rate of one of its
+    sender's links in turn; see docs/clock.md).
+    """
+    order = tuple(range(num_workers)) if links.live is None else tuple(torch.nonzero(links.live)[:, 0].tolist())
+    n = len(order)
+    if n < 2:
+        return ()
+    hops = _ring_link_bytes(x.shape[-1], num_workers, x.element_size(), order)
+    ring = torch.tensor(order)
+    senders, receivers = ring, ring.roll(-1)
+    phases = []
+    for h, link in enumerate(hops):
+        mask = links.up if h < n - 1 else links.down
+        s = h % (n - 1)
+        delivered = torch.ones(num_workers, num_workers, dtype=torch.bool)
+        delivered[senders, receivers] = mask[senders, ring.roll(-(s + 1))]
+        phases.append(PhaseTraffic(link, delivered, True))
+    return tuple(phases)

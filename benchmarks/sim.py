@@ -1,0 +1,403 @@
+"""How close is the simulator to the hardware limit? One training round, four ways, measured in one run.
+
+    .venv/bin/python benchmarks/sim.py            # the full table (a few minutes on 2 cores)
+    .venv/bin/python benchmarks/sim.py --quick    # fewer cases and repeats
+    .venv/bin/python benchmarks/sim.py --models mlp --workers 16 --no-gloo
+
+One round is every worker's forward, backward and SGD update on its own batch of
+``--batch`` samples, plus the averaging of the models:
+
+a. shaky's simulator: ``shaky.vectorized.make_functions``'s grad_fn over the
+   ``[W, D]`` parameters, then one RPS step (``shaky.strategies.RPS``: shaky's SGD
+   update and ``SimComm.block_average`` over masks drawn by ``NetworkModel`` at
+   drop rate 0.1). ``a_grad`` and ``a_step`` are those two parts alone, and
+   ``a_vmap`` is the same round with the generic ``vmap(grad_and_value)`` path.
+b. a naive loop: W ``nn.Module`` copies, each with its own ``torch.optim.SGD``,
+   stepped one after another, then every parameter averaged across the copies.
+c. the limit: one model at batch ``W * B``, forward, backward and an SGD step.
+d. W torch.distributed gloo processes on 127.0.0.1, one worker each (one thread
+   each), forward/backward/SGD at batch B and an all_reduce average of the flat
+   parameters; the time of a round is measured inside the processes between
+   barriers (W = 4 and 16 only).
+
+a, b and c run interleaved (a, b, c, a, b, c, ...) in one process, so load from
+other programs hits them alike; the table shows medians. ``peak MB`` is the
+growth of the peak resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``)
+of a fresh process while it runs (a), over its resident set just before.
+Inputs are random tensors of the datasets' shapes: timing does not depend on
+the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shaky.comm.sim import SimComm  # noqa: E402
+from shaky.config import NetworkConfig, OptimConfig, StrategyConfig  # noqa: E402
+from shaky.models import FlatParams, build_model  # noqa: E402
+from shaky.network.model import NetworkModel  # noqa: E402
+from shaky.strategies import RPS, SGD  # noqa: E402
+from shaky.vectorized import fast_path, generic_functions, make_functions, tune_allocator  # noqa: E402
+
+NUM_CLASSES = 10
+LR = 0.05
+DROP_RATE = 0.1
+
+# name -> (model, input shape of one example, what it stands for)
+CASES: dict[str, tuple[str, tuple[int, ...], str]] = {
+    "mlp": ("mlp", (64,), "digits 8x8"),
+    "cnn": ("cnn", (784,), "28x28 (MNIST-sized), Conv2d"),
+    "cnn1d": ("cnn", (40,), "mnist1d, Conv1d"),
+    "resnet20": ("resnet20", (3, 32, 32), "CIFAR 3x32x32"),
+}
+GLOO_WORKERS = (4, 16)
+
+
+def _median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+def _setup(case: str, workers: int, batch: int, seed: int = 0) -> dict[str, Any]:
+    name, shape, _ = CASES[case]
+    model = build_model(name, input_shape=shape, num_classes=NUM_CLASSES, seed=seed)
+    flat = FlatParams(model)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(workers, batch, *shape, generator=gen)
+    y = torch.randint(0, NUM_CLASSES, (workers, batch), generator=gen)
+    return {"model": model, "flat": flat, "x": x, "y": y, "mask": torch.ones(workers, batch)}
+
+
+class SimRound:
+    """(a): the simulator's round, grad_fn + RPS step, exactly the calls train.py makes."""
+
+    def __init__(self, s: dict[str, Any], workers: int, generic: bool = False, compile: bool = False) -> None:
+        model, flat = s["model"], s["flat"]
+        self.grad_fn = (generic_functions(model, flat) if generic else make_functions(model, flat, compile=compile))[0]
+        self.params = flat.flatten(model)[None].repeat(workers, 1).contiguous()
+        self.strategy = RPS(SGD(OptimConfig(lr=LR)), StrategyConfig(name="rps"))
+        self.state = self.strategy.init(self.params)
+        self.comm = SimComm(workers)
+        network = NetworkModel(NetworkConfig(drop_rate=DROP_RATE), workers, seed=0)
+        self.links = [network.sample(r) for r in range(8)]
+        self.x, self.y, self.mask = s["x"], s["y"], s["mask"]
+        self.round = 0
+        self.grad_s: list[float] = []
+        self.step_s: list[float] = []
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        grads, losses = self.grad_fn(self.params, self.x, self.y, self.mask)
+        t1 = time.perf_counter()
+        links = self.links[self.round % len(self.links)]
+        self.params, self.state, _ = self.strategy.step(self.params, grads, self.state, self.comm, links)
+        t2 = time.perf_counter()
+        self.round += 1
+        self.grad_s.append(t1 - t0)
+        self.step_s.append(t2 - t1)
+
+
+class LoopRound:
+    """(b): W separate model copies and optimizers in a Python loop, then a parameter average."""
+
+    def __init__(self, s: dict[str, Any], workers: int) -> None:
+        self.models = [copy.deepcopy(s["model"]) for _ in range(workers)]
+        self.opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in self.models]
+        self.params = [list(m.parameters()) for m in self.models]
+        self.x, self.y = s["x"], s["y"]
+
+    def __call__(self) -> None:
+        for i, (m, opt) in enumerate(zip(self.models, self.opts)):
+            opt.zero_grad()
+            F.cross_entropy(m(self.x[i]), self.y[i]).backward()
+            opt.step()
+        with torch.no_grad():
+            for group in zip(*self.params):
+                mean = torch.stack(group).mean(dim=0)
+                for p in group:
+                    p.copy_(mean)
+
+
+class LimitRound:
+    """(c): one model at batch W * B: forward, backward, SGD step."""
+
+    def __init__(self, s: dict[str, Any], workers: int) -> None:
+        self.model = copy.deepcopy(s["model"])
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
+        self.x = s["x"].reshape(-1, *s["x"].shape[2:])
+        self.y = s["y"].reshape(-1)
+
+    def __call__(self) -> None:
+        self.opt.zero_grad()
+        F.cross_entropy(self.model(self.x), self.y).backward()
+        self.opt.step()
+
+
+def _repeats(case: str, workers: int, quick: bool) -> tuple[int, int]:
+    """(warm-up rounds, timed rounds) so that a case takes seconds, not minutes."""
+    heavy = {"mlp": 1, "cnn1d": 4, "cnn": 60, "resnet20": 400}[case] * workers
+    timed = 40 if heavy < 64 else 15 if heavy < 1000 else 7 if heavy < 10000 else 3
+    if quick:
+        timed = max(3, timed // 3)
+    return (1 if heavy >= 10000 else 2), timed
+
+
+def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap: bool) -> dict[str, float]:
+    """a, b, c (and a_vmap) interleaved; medians in ms."""
+    s = _setup(case, workers, batch)
+    runs: dict[str, Callable[[], None]] = {"a": SimRound(s, workers), "b": LoopRound(s, workers),
+                                           "c": LimitRound(s, workers)}
+    if with_vmap:
+        runs["a_vmap"] = SimRound(s, workers, generic=True)
+    warm, timed = _repeats(case, workers, quick)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(warm + timed):
+        for key, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            if r >= warm:
+                times[key].append(time.perf_counter() - t0)
+    out = {k: _median_ms(v) for k, v in times.items()}
+    a = runs["a"]
+    assert isinstance(a, SimRound)
+    out["a_grad"] = _median_ms(a.grad_s[warm:])
+    out["a_step"] = _median_ms(a.step_s[warm:])
+    out["rounds"] = timed
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- memory
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _memory_child(case: str, workers: int, batch: int, rounds: int, threads: int, tune: bool, queue: Any) -> None:
+    try:
+        torch.set_num_threads(threads)
+        if tune:
+            tune_allocator()
+        s = _setup(case, workers, batch)
+        run = SimRound(s, workers)
+        before = _rss_mb()
+        for _ in range(rounds):
+            run()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        queue.put({"peak_mb": peak - before, "rss_before_mb": before, "peak_rss_mb": peak})
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        queue.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def peak_memory(case: str, workers: int, batch: int, threads: int, tune: bool, timeout_s: float) -> dict[str, Any]:
+    """Peak resident-set growth of (a) in a fresh process (ru_maxrss after - resident set before)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_memory_child, args=(case, workers, batch, 2, threads, tune, queue), daemon=True)
+    proc.start()
+    try:
+        return queue.get(timeout=timeout_s)
+    except Exception:  # noqa: BLE001
+        return {"error": f"no answer within {timeout_s:.0f} s"}
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+# ------------------------------------------------------------------------------------------------------------ gloo
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world: int, port: int, cases: list[str], batch: int, quick: bool,
+                 result_file: str) -> None:
+    import torch.distributed as dist  # noqa: PLC0415 - only the dist baseline needs it
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    results: dict[str, float] = {}
+    try:
+        for case in cases:
+            s = _setup(case, world, batch)
+            model = s["model"]
+            flat = s["flat"]
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            x, y = s["x"][rank], s["y"][rank]
+            warm, timed = _repeats(case, world, quick)
+            times = []
+            for r in range(warm + timed):
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                vec = flat.flatten(model)
+                dist.all_reduce(vec)
+                flat.load(model, vec / world)
+                dist.barrier()
+                if r >= warm:
+                    times.append(time.perf_counter() - t0)
+            # A round ends when the slowest process is done: take the maximum over the ranks.
+            t = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            results[case] = _median_ms(t.tolist())
+        if rank == 0:
+            Path(result_file).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_gloo(world: int, cases: list[str], batch: int, quick: bool, timeout_s: float,
+               scratch: Path) -> dict[str, float]:
+    """(d) for every case at once with one group of ``world`` processes; {} (and a message) on failure."""
+    result_file = scratch / f"gloo-{world}-{os.getpid()}.json"
+    result_file.unlink(missing_ok=True)
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, cases, batch, quick, str(result_file)),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        for p in procs:
+            p.join(timeout=5)
+    if alive:
+        print(f"  gloo W={world}: timed out after {timeout_s:.0f} s; killed {len(alive)} processes", flush=True)
+    if not result_file.exists():
+        codes = [p.exitcode for p in procs]
+        print(f"  gloo W={world}: no result (exit codes {codes})", flush=True)
+        return {}
+    out = json.loads(result_file.read_text())
+    result_file.unlink()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------- table
+
+def _fmt(v: float | None, digits: int = 2) -> str:
+    if v is None or v != v:
+        return "-"
+    if v >= 100:
+        return f"{v:.0f}"
+    return f"{v:.{digits}f}" if v < 10 else f"{v:.1f}"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cols = ["model", "W", "a ms", "a_grad", "a_step", "a_vmap", "b ms", "c ms", "d ms", "a/c", "b/a", "d/a",
+            "vmap/a", "peak MB"]
+    lines = [cols]
+    for r in rows:
+        a = r.get("a")
+        ratio = (lambda num, den: None if num is None or den is None else num / den)
+        lines.append([r["case"], str(r["W"]), _fmt(a), _fmt(r.get("a_grad")), _fmt(r.get("a_step")),
+                      _fmt(r.get("a_vmap")), _fmt(r.get("b")), _fmt(r.get("c")), _fmt(r.get("d")),
+                      _fmt(ratio(a, r.get("c"))), _fmt(ratio(r.get("b"), a)), _fmt(ratio(r.get("d"), a)),
+                      _fmt(ratio(r.get("a_vmap"), a)),
+                      _fmt(r.get("peak_mb"), 0) if r.get("peak_mb") is not None else r.get("peak_error", "-")])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
+    for i, line in enumerate(lines):
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases (no W=64 for resnet20) and repeats")
+    parser.add_argument("--models", nargs="+", choices=list(CASES), default=None)
+    parser.add_argument("--workers", nargs="+", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=32, help="samples per worker")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for a/b/c (0: torch's default)")
+    parser.add_argument("--no-gloo", action="store_true", help="skip (d)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement of (a)")
+    parser.add_argument("--no-vmap", action="store_true", help="skip a_vmap, the generic vmap path")
+    parser.add_argument("--no-tune-allocator", action="store_true",
+                        help="leave glibc's malloc settings alone (see shaky.vectorized.tune_allocator)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tuned = False if args.no_tune_allocator else tune_allocator()
+    models = args.models or (["mlp", "cnn", "cnn1d", "resnet20"] if not args.quick else ["mlp", "cnn1d", "cnn"])
+    workers = args.workers or ([4, 16, 64] if not args.quick else [4, 16])
+    threads = torch.get_num_threads()
+    print(f"shaky benchmarks/sim.py: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), "
+          f"malloc tuned: {tuned}, batch {args.batch} per worker, random inputs", flush=True)
+    t_start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for case in models:
+        for w in workers:
+            name, shape, what = CASES[case]
+            vmap_ok = not args.no_vmap and not (case == "resnet20" and w > 16)
+            t0 = time.perf_counter()
+            row: dict[str, Any] = {"case": case, "model": name, "input": list(shape), "what": what, "W": w,
+                                   "fast_path": fast_path(_setup(case, 1, 1)["model"])}
+            row.update(bench_in_process(case, w, args.batch, args.quick, vmap_ok))
+            if not args.no_memory:
+                mem = peak_memory(case, w, args.batch, threads, tuned, timeout_s=600)
+                if "error" in mem:
+                    row["peak_error"] = mem["error"]
+                else:
+                    row.update(mem)
+            rows.append(row)
+            print(f"  {case} W={w}: a {row['a']:.2f} ms, c {row['c']:.2f} ms, b {row['b']:.2f} ms "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    if not args.no_gloo:
+        scratch = Path(os.environ.get("TMPDIR", "/tmp"))
+        for w in [w for w in workers if w in GLOO_WORKERS]:
+            t0 = time.perf_counter()
+            res = bench_gloo(w, models, args.batch, args.quick, timeout_s=300, scratch=scratch)
+            for row in rows:
+                if row["W"] == w and row["case"] in res:
+                    row["d"] = res[row["case"]]
+            print(f"  gloo W={w}: {res} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print()
+    print_table(rows)
+    print(f"\nmedians in ms per round; a = a_grad + a_step; peak MB = growth of the peak resident set while (a) "
+          f"runs; total {time.perf_counter() - t_start:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
+                                                     "threads": threads, "malloc_tuned": tuned},
+                                         "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        sys.exit(130)

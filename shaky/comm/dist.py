@@ -1,0 +1,155 @@
+"""The torch.distributed backend: one worker per process, rows of shape [1, ...].
+
+This is the only module that imports torch.distributed. RPS's two phases are
+two ``all_to_all_single`` calls: block j goes to the rank that serves it, and
+the server's average comes back to every rank. Every rank holds the same global
+delivery masks (drawn from the run seed), so the receiving side applies them:
+a block that "did not arrive" is simply left out of the average, exactly as in
+the simulator, and both backends agree round by round.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shaky.comm.base import block_sizes
+
+
+class DistComm:
+    """Comm for one worker per torch.distributed process (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("DistComm needs torch.distributed to be initialised (start with torchrun)")
+        self.rank = dist.get_rank()
+        self.num_workers = dist.get_world_size()
+        self.rows = torch.tensor([self.rank])
+        self._store = dist.distributed_c10d._get_default_store()
+        self._fault = _injected_fault(self.rank)
+
+    def on_step(self, step: int) -> None:
+        """Marks this rank's progress in the rendezvous store, where survivors of a failure read it."""
+        if self._fault is not None and step == self._fault[1]:
+            if self._fault[0] == "exit":
+                os._exit(17)
+            while True:  # an injected hang: this rank stops answering, as a stuck process would
+                time.sleep(3600)
+        self._store.set(f"shaky/step/{self.rank}", str(step))
+
+    def diagnose_failure(self, timeout_s: float) -> tuple[int, int] | None:
+        """After a collective failed: which rank stopped first, and after which step.
+
+        Reads every rank's last reported step from the rendezvous store. Rank 0 may
+        host that store (plain ``init_method=env://``), so it waits until every
+        other survivor has read it before returning; None if the store is gone.
+        """
+        try:
+            steps = [int(self._store.get(f"shaky/step/{r}")) if self._store.check([f"shaky/step/{r}"]) else -1
+                     for r in range(self.num_workers)]
+            failed = min(range(self.num_workers), key=lambda r: (steps[r], r))
+            self._store.set(f"shaky/diagnosed/{self.rank}", "1")
+            if self.rank == 0:
+                others = [f"shaky/diagnosed/{r}" for r in range(1, self.num_workers) if r != failed]
+                self._store.wait(others, timedelta(seconds=timeout_s))
+        except RuntimeError:  # the store went away with its host
+            return None
+        return failed, steps[failed]
+
+    def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        if weights is None:
+            total = x.clone()
+            dist.all_reduce(total)
+            return total / self.num_workers
+        w = weights.to(x.dtype)
+        total = x * w[self.rank]
+        dist.all_reduce(total)
+        return total / w.sum()
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """All workers' rows, [W, ...], on every rank (for checkpoints)."""
+        parts = [torch.empty_like(x) for _ in range(self.num_workers)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
+        w, me = self.num_workers, self.rank
+        row = x[0]
+        sizes = block_sizes(row.numel(), w)
+        srv = servers.tolist() if servers is not None else list(range(w))
+        # all_to_all_single lays data out by destination rank: order the blocks by their server.
+        order = sorted(range(w), key=lambda j: srv[j])
+        per_rank = [sum(sizes[j] for j in range(w) if srv[j] == r) for r in range(w)]
+        if order != list(range(w)):
+            starts = [sum(sizes[:j]) for j in range(w)]
+            row = torch.cat([row[starts[j]:starts[j] + sizes[j]] for j in order])
+        mine = per_rank[me]
+
+        # Phase 1: every rank sends me the blocks I serve; I average those that arrived.
+        received = row.new_empty(w * mine)
+        dist.all_to_all_single(received, row.contiguous(), output_split_sizes=[mine] * w,
+                               input_split_sizes=per_rank)
+        arrived = up[:, me].to(x.dtype)
+        if weights is not None:
+            arrived = arrived * weights.to(x.dtype)
+        avg = (received.view(w, mine) * arrived[:, None]).sum(0) / arrived.sum()
+
+        # Phase 2: I send my averages to every rank and get every server's back.
+        averages = row.new_empty(row.numel())
+        dist.all_to_all_single(averages, avg.repeat(w), output_split_sizes=per_rank, input_split_sizes=[mine] * w)
+        got = down[torch.tensor([srv[j] for j in order]), me]
+        keep_mask = torch.repeat_interleave(got, torch.tensor([sizes[j] for j in order]))
+        out = torch.where(keep_mask, averages, row)
+        if order != list(range(w)):
+            unpermuted = torch.empty_like(out)
+            pos = 0
+            starts = [sum(sizes[:j]) for j in range(w)]
+            for j in order:
+                unpermuted[starts[j]:starts[j] + sizes[j]] = out[pos:pos + sizes[j]]
+                pos += sizes[j]
+            out = unpermuted
+        return out[None]
+
+
+def _injected_fault(rank: int) -> tuple[str, int] | None:
+    """``SHAKY_INJECT_FAULT=exit:RANK:STEP`` (or ``hang:...``) makes that rank die (or hang) at that step.
+
+    Tests use it to fail a rank deterministically, never with sleeps in the test itself.
+    """
+    spec = os.environ.get("SHAKY_INJECT_FAULT", "")
+    if not spec:
+        return None
+    try:
+        kind, r, step = spec.split(":")
+        if kind not in ("exit", "hang"):
+            raise ValueError(kind)
+        return (kind, int(step)) if int(r) == rank else None
+    except ValueError:
+        raise ValueError(f"SHAKY_INJECT_FAULT must be exit:RANK:STEP or hang:RANK:STEP, got {spec!r}") from None
+
+
+def init_from_env(timeout_s: float) -> None:
+    """Joins the process group that torchrun describes in the environment.
+
+    Training runs on the CPU, so the group is gloo; collectives that wait longer
+    than ``timeout_s`` fail instead of hanging.
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"backend dist must be started by torchrun (the environment lacks {', '.join(missing)}); "
+                         "e.g. torchrun --nproc-per-node 4 -m shaky train --backend dist ...")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def broadcast_object(value: object) -> object:
+    """Rank 0's ``value`` on every rank (a run directory, a measured compute time)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,104 @@
+"""The torch.distributed backend against the simulator: same config and seed, same metrics.
+
+Four gloo processes on 127.0.0.1 run every strategy once; rank 0 writes each run
+directory, and the simulator's run of the same config must match it at every
+evaluation (allclose 1e-5: the two backends sum in different orders).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shaky.train import read_metrics
+
+from conftest import make_config, run
+
+WORKERS = 4
+CASES: dict[str, dict] = {
+    "allreduce": dict(strategy={"name": "allreduce"}, optim={"momentum": 0.9}),
+    "lossy-allreduce": dict(strategy={"name": "lossy-allreduce"}),
+    "rps": dict(strategy={"name": "rps"}),
+    "local-sgd": dict(strategy={"name": "local-sgd", "period": 3}),
+    "ri-sgd": dict(strategy={"name": "ri-sgd", "period": 3, "redundancy": 2}, data={"partition": "label-skew"}),
+    "rps-failures": dict(strategy={"name": "rps"}, failures=[{"worker": 1, "step": 4, "rejoin": 12},
+                                                             {"worker": 3, "step": 8}]),
+    "allreduce-weighted": dict(strategy={"name": "allreduce", "weighted": True}, batch_sizes=[4, 8, 12, 16]),
+}
+
+
+def _config(case: str):
+    return make_config(num_workers=WORKERS, steps=16, eval_every=4, network={"drop_rate": 0.25, "compute_ms": 1.0},
+                       **CASES[case])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    from shaky.comm.dist import DistComm  # noqa: PLC0415
+    from shaky.train import prepare, train  # noqa: PLC0415
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS,
+                            timeout=timedelta(seconds=60))
+    comm = DistComm()
+    for case in CASES:
+        train(prepare(_config(case)), Path(out) / case, comm=comm, writer=rank == 0, progress=False)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    torch.set_num_threads(1)
+    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORKERS, start_method="spawn", join=True)
+    return out
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5) or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dist_backend_matches_the_simulator(case: str, dist_runs: Path, tmp_path: Path) -> None:
+    _, sim_params, sim_rows = run(_config(case), tmp_path / "sim")
+    dist_rows = read_metrics(dist_runs / case)
+    assert len(dist_rows) == len(sim_rows) == 5
+    for s, d in zip(sim_rows, dist_rows):
+        for key in s:
+            if key == "wall_time_s":
+                continue
+            assert _close(s[key], d[key]), (case, s["step"], key, s[key], d[key])
+    dist_params = torch.load(dist_runs / case / "checkpoint.pt", weights_only=False)["params"]
+    torch.testing.assert_close(dist_params, sim_params, atol=1e-5, rtol=1e-5)
+
+
+def test_torchrun_trains_like_the_simulator(tmp_path: Path) -> None:
+    """The README's torchrun command, with 2 processes, ends where the simulator does."""
+    out = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "shaky", "train", "--backend", "dist", "--workers", "2", "--steps", "30", "--eval-every", "10",
+           "--drop-rate", "0.1", "--set", "network.compute_ms=1.0", "--quiet", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = make_config(num_workers=2, steps=30, eval_every=10, batch_size=32, network={"drop_rate": 0.1, "compute_ms": 1.0})
+    summary, _, _ = run(cfg, tmp_path / "sim")
+    dist_final = read_metrics(out)[-1]
+    assert math.isclose(dist_final["test_accuracy"], summary["final_test_accuracy"], abs_tol=1e-9)

@@ -1,0 +1,77 @@
+"""A rank that dies or hangs: the survivors say which and where to resume, and resume finishes the run.
+
+Four processes are started the way torchrun starts them on several machines
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without torchrun's local agent,
+which would kill the survivors itself. The fault is injected deterministically:
+SHAKY_INJECT_FAULT=exit:2:25 makes rank 2 exit when it reaches step 25.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import make_config, run
+
+ARGS = ["--workers", "4", "--steps", "60", "--eval-every", "10", "--checkpoint-every", "10", "--quiet",
+        "--set", "network.compute_ms=1.0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], cwd: Path, fault: str = "") -> list[subprocess.Popen]:
+    port = str(_free_port())
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "SHAKY_INJECT_FAULT": fault}
+        procs.append(subprocess.Popen([sys.executable, "-m", "shaky", "train", *args], cwd=cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    out = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            out.append((p.returncode, err))
+    finally:
+        for p in procs:
+            p.kill()
+    return out
+
+
+@pytest.mark.parametrize("fault", ["exit", "hang"])
+def test_failed_rank_is_named_and_resume_finishes(fault: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    procs = _launch(["--backend", "dist", *ARGS, "--set", "dist_timeout_s=5", "--out", str(run_dir)], tmp_path,
+                    fault=f"{fault}:2:25")
+    survivors = [procs[r] for r in (0, 1, 3)]
+    results = _finish(survivors, timeout=90)        # the injected hang would outlast this: it is killed after
+    procs[2].kill()
+    for code, err in results:
+        lines = [line for line in err.splitlines() if line.startswith("shaky: error:")]
+        assert code == 3 and len(lines) == 1, err[-1500:]
+        assert "rank 2 stopped answering after step 24" in lines[0]
+        assert f"{run_dir / 'checkpoint.pt'} at step 20" in lines[0]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 10, 20]  # nothing past the failure was committed
+
+    resumed = _finish(_launch(["--resume", str(run_dir)], tmp_path), timeout=120)
+    assert [code for code, _ in resumed] == [0, 0, 0, 0], resumed[0][1][-1500:]
+    final = json.loads((run_dir / "summary.json").read_text())
+    uninterrupted, _, _ = run(make_config(num_workers=4, steps=60, eval_every=10, batch_size=32,
+                                          network={"compute_ms": 1.0}), tmp_path / "sim")
+    assert abs(final["final_test_accuracy"] - uninterrupted["final_test_accuracy"]) <= 0.005
+    assert final["steps"] == 60

@@ -1,0 +1,137 @@
+"""Tests for shaky.vectorized: the fast batched paths equal the generic vmap path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.func import vmap
+
+from shaky.models import MODELS, FlatParams, build_model
+from shaky.vectorized import fast_path, generic_functions, make_functions, tune_allocator
+
+NUM_CLASSES = 10
+VOCAB = 50
+
+# (name, input_shape): every model in MODELS, and each input layout the cnn handles.
+CASES: list[tuple[str, tuple[int, ...]]] = [
+    ("logreg", (64,)),
+    ("logreg", (3, 4, 4)),
+    ("mlp", (64,)),
+    ("cnn", (64,)),  # digits: reshaped to 1x8x8, Conv2d
+    ("cnn", (40,)),  # mnist1d: reshaped to 1x40, Conv1d
+    ("cnn", (3, 8, 8)),  # native (C, H, W)
+    ("resnet20", (64,)),  # digits-shaped, reshaped to 1x8x8
+    ("resnet20", (3, 8, 8)),
+    ("resnet32", (3, 8, 8)),
+    ("resnet44", (1, 4, 4)),
+    ("resnet56", (1, 4, 4)),
+    ("resnet110", (1, 4, 4)),
+    ("lstm", (12,)),
+]
+EXPECTED_PATH = {"logreg": "linear", "mlp": "linear", "cnn": "grouped", "lstm": None}
+
+
+def test_cases_cover_every_model() -> None:
+    assert {name for name, _ in CASES} == set(MODELS)
+
+
+def _setup(name: str, shape: tuple[int, ...], workers: int, batch: int, dtype: torch.dtype = torch.float32,
+           seed: int = 0):
+    model = build_model(name, input_shape=shape, num_classes=NUM_CLASSES, vocab_size=VOCAB, hidden=16,
+                        seed=seed).to(dtype)
+    flat = FlatParams(model)
+    gen = torch.Generator().manual_seed(seed + 1)
+    # Different parameters per worker, so that mixing two workers up would show.
+    params = flat.flatten(model) + 0.1 * torch.randn(workers, flat.dim, generator=gen, dtype=dtype)
+    if name == "lstm":
+        ids = torch.randint(1, VOCAB, (workers, batch, *shape), generator=gen)
+        lengths = torch.randint(1, shape[0] + 1, (workers, batch, 1), generator=gen)
+        x = torch.where(torch.arange(shape[0]) < lengths, ids, 0)
+    else:
+        x = torch.randn(workers, batch, *shape, generator=gen, dtype=dtype)
+    y = torch.randint(0, NUM_CLASSES, (workers, batch), generator=gen)
+    # Heterogeneous batch sizes: worker i has batch - i real samples, the rest is padding.
+    sizes = torch.tensor([max(1, batch - i) for i in range(workers)])
+    mask = (torch.arange(batch) < sizes[:, None]).to(dtype)
+    return model, flat, params, x, y, mask
+
+
+@pytest.mark.parametrize(("name", "shape"), CASES)
+def test_fast_grads_match_generic(name: str, shape: tuple[int, ...]) -> None:
+    model, flat, params, x, y, mask = _setup(name, shape, workers=3, batch=5)
+    want_grads, want_losses = generic_functions(model, flat)[0](params, x, y, mask)
+    grads, losses = make_functions(model, flat)[0](params, x, y, mask)
+    assert grads.shape == (3, flat.dim) and losses.shape == (3,)
+    assert not grads.requires_grad and not losses.requires_grad
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+    assert fast_path(model) == EXPECTED_PATH.get(name, "grouped")
+
+
+@pytest.mark.parametrize(("name", "shape"), [("mlp", (64,)), ("cnn", (40,)), ("resnet20", (3, 8, 8))])
+def test_float64_and_one_worker(name: str, shape: tuple[int, ...]) -> None:
+    model, flat, params, x, y, mask = _setup(name, shape, workers=2, batch=4, dtype=torch.float64)
+    want = generic_functions(model, flat)[0](params, x, y, mask)
+    got = make_functions(model, flat)[0](params, x, y, mask)
+    assert got[0].dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # One worker, as train.py's compute-time measurement calls it.
+    want1 = generic_functions(model, flat)[0](params[:1], x[:1], y[:1], mask[:1])
+    got1 = make_functions(model, flat)[0](params[:1], x[:1], y[:1], mask[:1])
+    torch.testing.assert_close(got1, want1, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("name", "shape"), [("mlp", (64,)), ("cnn", (64,)), ("resnet20", (64,))])
+def test_padding_is_ignored(name: str, shape: tuple[int, ...]) -> None:
+    """Whatever sits in the padding slots changes nothing."""
+    model, flat, params, x, y, mask = _setup(name, shape, workers=3, batch=5)
+    grad_fn = make_functions(model, flat)[0]
+    grads, losses = grad_fn(params, x, y, mask)
+    pad = mask == 0
+    x2 = torch.where(pad.reshape(*pad.shape, *[1] * len(shape)), torch.randn_like(x) * 5, x)
+    y2 = torch.where(pad, (y + 3) % NUM_CLASSES, y)
+    grads2, losses2 = grad_fn(params, x2, y2, mask)
+    torch.testing.assert_close(losses2, losses)
+    torch.testing.assert_close(grads2, grads)
+
+
+@pytest.mark.parametrize(("name", "shape"), CASES)
+def test_forward_fn_matches_model(name: str, shape: tuple[int, ...]) -> None:
+    model, flat, params, x, _, _ = _setup(name, shape, workers=3, batch=4)
+    forward_fn = make_functions(model, flat)[1]
+    xs = x[0]
+    torch.testing.assert_close(forward_fn(flat.flatten(model), xs), model(xs))
+    per_worker = vmap(forward_fn, in_dims=(0, None))(params, xs)
+    assert per_worker.shape == (3, 4, NUM_CLASSES)
+    for w in range(3):
+        flat.load(model, params[w])
+        torch.testing.assert_close(per_worker[w], model(xs), rtol=1e-4, atol=1e-5)
+
+
+def test_inputs_are_not_modified() -> None:
+    model, flat, params, x, y, mask = _setup("mlp", (64,), workers=2, batch=4)
+    copies = [t.clone() for t in (params, x, y, mask)]
+    make_functions(model, flat)[0](params, x, y, mask)
+    for t, c in zip((params, x, y, mask), copies):
+        assert torch.equal(t, c)
+
+
+def test_unknown_module_falls_back_to_generic() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    flat = FlatParams(model)
+    params = flat.flatten(model)[None].repeat(2, 1)
+    x, y, mask = torch.randn(2, 5, 6), torch.randint(0, 3, (2, 5)), torch.ones(2, 5)
+    assert fast_path(model) is None
+    torch.testing.assert_close(make_functions(model, flat)[0](params, x, y, mask),
+                               generic_functions(model, flat)[0](params, x, y, mask))
+
+
+def test_tune_allocator_in_a_fresh_process() -> None:
+    # Process-wide malloc settings: exercised in a child, not in the test process.
+    code = ("import torch; from shaky.vectorized import tune_allocator; ok = tune_allocator(); "
+            "x = torch.ones(4096, 4096); del x; assert torch.ones(2048, 2048).sum() == 2048 ** 2; print(ok)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() in ("True", "False")
