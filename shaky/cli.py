@@ -21,7 +21,7 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "strategy": ("strategy.name", str, "allreduce, lossy-allreduce, rps, local-sgd, ri-sgd or dts"),
     "workers": ("num_workers", int, "number of workers W"),
     "drop_rate": ("network.drop_rate", float, "probability that a message is lost, in [0, 1)"),
-    "preset": ("network.preset", str, "network preset: lan or lossy"),
+    "preset": ("network.preset", str, "network preset: lan, lossy or geo4"),
     "dataset": ("data.dataset", str, "digits, iris, wine, breast_cancer, mnist1d, cifar10, text"),
     "data_path": ("data.path", str, "CIFAR-10 directory or label<TAB>text file"),
     "partition": ("data.partition", str, "iid or dirichlet"),

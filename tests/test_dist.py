@@ -92,7 +92,7 @@ def test_dist_backend_matches_the_simulator(case: str, dist_runs: Path, tmp_path
 def test_torchrun_trains_like_the_simulator(tmp_path: Path) -> None:
     """The README's torchrun command, with 2 processes, ends where the simulator does."""
     out = tmp_path / "torchrun"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "shaky", "train", "--backend", "dist", "--workers", "2", "--steps", "30", "--eval-every", "10",
            "--drop-rate", "0.1", "--set", "network.compute_ms=1.0", "--quiet", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
@@ -102,3 +102,19 @@ def test_torchrun_trains_like_the_simulator(tmp_path: Path) -> None:
     summary, _, _ = run(cfg, tmp_path / "sim")
     dist_final = read_metrics(out)[-1]
     assert math.isclose(dist_final["test_accuracy"], summary["final_test_accuracy"], abs_tol=1e-9)
+
+
+def test_example_script_runs_under_torchrun(tmp_path: Path) -> None:
+    """examples/rps_averager.py: a user's own loop with RPSAverager, 2 gloo processes, 10% drops."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "rps_averager.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), "--steps", "150", "--drop-rate", "0.1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2
+    for line in lines:
+        accuracy = float(line.split("test accuracy ")[1].split(",")[0])
+        dropped, sent = map(int, line.split("messages dropped ")[1].split(" of "))
+        assert accuracy > 0.8 and sent == 150 * 2 * 2 and 0 < dropped < sent

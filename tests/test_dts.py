@@ -129,20 +129,19 @@ def test_a_lost_block_keeps_the_workers_own_update() -> None:
 
 
 def test_delay_hides_latency_on_the_clock(tmp_run) -> None:
-    # 1 ms of compute against 20 ms links: a synchronous step costs 1 ms + an exchange C (two phases, ~40 ms).
-    # With t = d = 4 an exchange has 3 ms of compute to arrive in, then the workers wait for it; t = d = 45
+    # 1 ms of compute against 5 ms links: a synchronous step costs 1 ms + an exchange C (two phases, ~10 ms).
+    # With t = d = 4 an exchange has 3 ms of compute to arrive in, then the workers wait for it; t = d = 12
     # hides it completely.
-    common = dict(num_workers=4, steps=40, network={"latency_ms": 20.0, "compute_ms": 1.0})
+    common = dict(num_workers=4, steps=24, network={"latency_ms": 5.0, "compute_ms": 1.0})
     sync, _, _ = run(make_config(strategy={"name": "dts"}, **common), tmp_run())
     late, _, _ = run(make_config(strategy={"name": "dts", "delay": 4, "period": 4}, **common), tmp_run())
-    hidden, _, _ = run(make_config(strategy={"name": "dts", "delay": 45, "period": 45},
-                                   **{**common, "steps": 90}), tmp_run())
-    assert sync["comm_rounds"] == 40 and late["comm_rounds"] == 10
-    exchange = sync["sim_time_s"] / 40 - 0.001
-    assert exchange == pytest.approx(0.040, rel=0.01) and sync["scalability"] < 0.03
+    hidden, _, _ = run(make_config(strategy={"name": "dts", "delay": 12, "period": 12}, **common), tmp_run())
+    assert sync["comm_rounds"] == 24 and late["comm_rounds"] == 6 and hidden["comm_rounds"] == 2
+    exchange = sync["sim_time_s"] / 24 - 0.001
+    assert exchange == pytest.approx(0.010, rel=0.02) and sync["scalability"] < 0.1
     # The first average arrives 4 ms + C in, each next one 1 ms + C later (it is launched one step
-    # after the wait); the last of the 10 is still in flight when step 39 ends, 1 ms after the 9th.
-    assert late["sim_time_s"] == pytest.approx(0.004 + exchange + 8 * (0.001 + exchange) + 0.001, rel=1e-9)
+    # after the wait); the last of the 6 is still in flight when step 23 ends, 1 ms after the 5th.
+    assert late["sim_time_s"] == pytest.approx(0.004 + exchange + 4 * (0.001 + exchange) + 0.001, rel=1e-9)
     assert hidden["scalability"] == pytest.approx(1.0)
     assert sync["bytes_sent"] == 4 * late["bytes_sent"]
 

@@ -85,8 +85,8 @@ class DistComm:
         # all_to_all_single lays data out by destination rank: order the blocks by their server.
         order = sorted(range(w), key=lambda j: srv[j])
         per_rank = [sum(sizes[j] for j in range(w) if srv[j] == r) for r in range(w)]
+        starts = [sum(sizes[:j]) for j in range(w)]
         if order != list(range(w)):
-            starts = [sum(sizes[:j]) for j in range(w)]
             row = torch.cat([row[starts[j]:starts[j] + sizes[j]] for j in order])
         mine = per_rank[me]
 
@@ -97,18 +97,20 @@ class DistComm:
         arrived = up[:, me].to(x.dtype)
         if weights is not None:
             arrived = arrived * weights.to(x.dtype)
-        avg = (received.view(w, mine) * arrived[:, None]).sum(0) / arrived.sum()
+        avg = (arrived @ received.view(w, mine)) / arrived.sum()
 
-        # Phase 2: I send my averages to every rank and get every server's back.
-        averages = row.new_empty(row.numel())
-        dist.all_to_all_single(averages, avg.repeat(w), output_split_sizes=per_rank, input_split_sizes=[mine] * w)
-        got = down[torch.tensor([srv[j] for j in order]), me]
-        keep_mask = torch.repeat_interleave(got, torch.tensor([sizes[j] for j in order]))
-        out = torch.where(keep_mask, averages, row)
+        # Phase 2: I send my averages to every rank and get every server's back, in ``order`` layout.
+        out = row.new_empty(row.numel())
+        dist.all_to_all_single(out, avg.repeat(w), output_split_sizes=per_rank, input_split_sizes=[mine] * w)
+        # Where a server's average was lost, keep my own block (few blocks: a copy each, no full-size mask).
+        pos = 0
+        for j in order:
+            if not down[srv[j], me]:
+                out[pos:pos + sizes[j]] = row[pos:pos + sizes[j]]
+            pos += sizes[j]
         if order != list(range(w)):
             unpermuted = torch.empty_like(out)
             pos = 0
-            starts = [sum(sizes[:j]) for j in range(w)]
             for j in order:
                 unpermuted[starts[j]:starts[j] + sizes[j]] = out[pos:pos + sizes[j]]
                 pos += sizes[j]
