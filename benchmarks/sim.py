@@ -72,6 +72,9 @@ CASES: dict[str, tuple[str, tuple[int, ...], str]] = {
 GLOO_WORKERS = (4, 16)
 
 
+CLOCK: Callable[[], float] = time.perf_counter
+
+
 def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
@@ -104,12 +107,12 @@ class SimRound:
         self.step_s: list[float] = []
 
     def __call__(self) -> None:
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         grads, losses = self.grad_fn(self.params, self.x, self.y, self.mask)
-        t1 = time.perf_counter()
+        t1 = CLOCK()
         links = self.links[self.round % len(self.links)]
         self.params, self.state, _ = self.strategy.step(self.params, grads, self.state, self.comm, links)
-        t2 = time.perf_counter()
+        t2 = CLOCK()
         self.round += 1
         self.grad_s.append(t1 - t0)
         self.step_s.append(t2 - t1)
@@ -171,10 +174,10 @@ def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap
     times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(warm + timed):
         for key, fn in runs.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fn()
             if r >= warm:
-                times[key].append(time.perf_counter() - t0)
+                times[key].append(CLOCK() - t0)
     out = {k: _median_ms(v) for k, v in times.items()}
     a = runs["a"]
     assert isinstance(a, SimRound)
@@ -339,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", nargs="+", type=int, default=None)
     parser.add_argument("--batch", type=int, default=32, help="samples per worker")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for a/b/c (0: torch's default)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time a, b, c by wall clock, or by this process's CPU time (less sensitive to other "
+                             "programs on the machine, but it also counts threads spinning in OpenMP barriers); "
+                             "d is always wall clock")
     parser.add_argument("--no-gloo", action="store_true", help="skip (d)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement of (a)")
     parser.add_argument("--no-vmap", action="store_true", help="skip a_vmap, the generic vmap path")
@@ -347,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
 
+    global CLOCK
+    CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
     tuned = False if args.no_tune_allocator else tune_allocator()
@@ -355,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     print(f"shaky benchmarks/sim.py: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), "
-          f"malloc tuned: {tuned}, batch {args.batch} per worker, random inputs", flush=True)
+          f"malloc tuned: {tuned}, batch {args.batch} per worker, random inputs, {args.clock} clock, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for case in models:
@@ -386,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  gloo W={w}: {res} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print()
     print_table(rows)
-    print(f"\nmedians in ms per round; a = a_grad + a_step; peak MB = growth of the peak resident set while (a) "
+    print(f"\nload average now {os.getloadavg()[0]:.1f}; medians in ms per round; a = a_grad + a_step; peak MB = growth of the peak resident set while (a) "
           f"runs; total {time.perf_counter() - t_start:.0f} s")
     if args.json:
         args.json.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "torch": torch.__version__,

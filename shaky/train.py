@@ -189,7 +189,7 @@ def _keep_dead_rows(new: Any, old: Any, live_rows: torch.Tensor) -> Any:
     """``new`` with the rows of dead workers taken from ``old``, through any tuple/NamedTuple of tensors."""
     if isinstance(new, torch.Tensor) and new.dim() > 0 and new.shape[0] == live_rows.shape[0]:
         return torch.where(live_rows.reshape(-1, *([1] * (new.dim() - 1))), new, old)
-    if isinstance(new, tuple):
+    if isinstance(new, tuple) and isinstance(old, tuple) and len(new) == len(old):
         kept = [_keep_dead_rows(n, o, live_rows) for n, o in zip(new, old)]
         return type(new)(*kept) if hasattr(new, "_fields") else type(new)(kept)
     return new

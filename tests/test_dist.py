@@ -34,6 +34,7 @@ CASES: dict[str, dict] = {
     "rps-failures": dict(strategy={"name": "rps"}, failures=[{"worker": 1, "step": 4, "rejoin": 12},
                                                              {"worker": 3, "step": 8}]),
     "allreduce-weighted": dict(strategy={"name": "allreduce", "weighted": True}, batch_sizes=[4, 8, 12, 16]),
+    "dts": dict(strategy={"name": "dts", "delay": 3, "period": 2}),
 }
 
 
