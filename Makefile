@@ -2,6 +2,8 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# Sleeping OpenMP waiters: spinning ones slow everything 20x as soon as two processes share the cores.
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: demo test install clean
 
