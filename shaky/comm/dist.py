@@ -10,6 +10,7 @@ the simulator, and both backends agree round by round.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from datetime import timedelta
@@ -31,6 +32,14 @@ class DistComm:
         self.rows = torch.tensor([self.rank])
         self._store = dist.distributed_c10d._get_default_store()
         self._fault = _injected_fault(self.rank)
+        self._buffers: dict[str, torch.Tensor] = {}
+        _keep_freed_memory()
+
+    def _buffer(self, name: str, size: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < size or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = like.new_empty(size)
+        return buf[:size]
 
     def on_step(self, step: int) -> None:
         """Marks this rank's progress in the rendezvous store, where survivors of a failure read it."""
@@ -91,7 +100,9 @@ class DistComm:
         mine = per_rank[me]
 
         # Phase 1: every rank sends me the blocks I serve; I average those that arrived.
-        received = row.new_empty(w * mine)
+        # The two staging buffers persist across calls: fresh large tensors cost a page fault
+        # per 4 KiB, which on a busy machine takes longer than the exchange itself.
+        received = self._buffer("received", w * mine, row)
         dist.all_to_all_single(received, row.contiguous(), output_split_sizes=[mine] * w,
                                input_split_sizes=per_rank)
         arrived = up[:, me].to(x.dtype)
@@ -100,8 +111,10 @@ class DistComm:
         avg = (arrived @ received.view(w, mine)) / arrived.sum()
 
         # Phase 2: I send my averages to every rank and get every server's back, in ``order`` layout.
+        outgoing = self._buffer("outgoing", w * mine, row)
+        outgoing.view(w, mine).copy_(avg.expand(w, mine))
         out = row.new_empty(row.numel())
-        dist.all_to_all_single(out, avg.repeat(w), output_split_sizes=per_rank, input_split_sizes=[mine] * w)
+        dist.all_to_all_single(out, outgoing, output_split_sizes=per_rank, input_split_sizes=[mine] * w)
         # Where a server's average was lost, keep my own block (few blocks: a copy each, no full-size mask).
         pos = 0
         for j in order:
@@ -116,6 +129,23 @@ class DistComm:
                 pos += sizes[j]
             out = unpermuted
         return out[None]
+
+
+def _keep_freed_memory() -> None:
+    """Asks glibc to serve large tensors from its heap and keep freed memory for reuse.
+
+    By default every allocation over 32 MiB is a fresh mmap, and a fresh tensor costs a
+    page fault per 4 KiB: for a 40 MB model vector that took longer than the exchange
+    itself. One process of a torchrun job owns its machine share, so keeping the memory
+    is the right trade. A no-op where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, ctypes.c_int(1 << 30))
+    libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
 
 
 def _injected_fault(rank: int) -> tuple[str, int] | None:
