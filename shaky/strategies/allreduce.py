@@ -20,19 +20,17 @@ from shaky.strategies.base import SGDState, SGDStrategy, StepStats
 
 class AllReduce(SGDStrategy):
     name = "allreduce"
+    reliable = True
+    """Whether the gradient average travels over a transport that resends what it loses."""
 
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState, comm: Comm,
              links: LinkSample) -> tuple[torch.Tensor, SGDState, StepStats]:
-        averaged, stats = self.reliable_mean(grads, comm, links)
+        average = self.reliable_mean if self.reliable else self.lossy_average
+        averaged, stats = average(grads, comm, links)
         params, state = self.sgd.update(params, averaged, state)
         return params, state, stats
 
 
-class LossyAllReduce(SGDStrategy):
+class LossyAllReduce(AllReduce):
     name = "lossy-allreduce"
-
-    def step(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState, comm: Comm,
-             links: LinkSample) -> tuple[torch.Tensor, SGDState, StepStats]:
-        averaged, stats = self.lossy_average(grads, comm, links)
-        params, state = self.sgd.update(params, averaged, state)
-        return params, state, stats
+    reliable = False
