@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Sleeping OpenMP waiters: spinning ones slow everything 20x as soon as two processes share the cores.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test install clean
+.PHONY: demo test reproduce install clean
 
 $(BIN)/shaky: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,17 @@ demo: $(BIN)/shaky
 
 test: $(BIN)/shaky
 	$(BIN)/python -m pytest
+
+# Every claim in experiments/*.toml: run the sweeps (finished runs are kept, so an
+# interrupted reproduce resumes), then write REPRODUCTION.md and its plots in docs/reproduction.
+# In the papers' order (RPS, RI-SGD, DTS); any other experiment file follows.
+EXPERIMENTS := $(wildcard experiments/rps_drop_rate.toml experiments/rps_workers.toml experiments/rps_transport.toml \
+	experiments/risgd.toml experiments/dts_delay.toml experiments/dts_scale.toml)
+EXPERIMENTS += $(filter-out $(EXPERIMENTS),$(wildcard experiments/*.toml))
+reproduce: $(BIN)/shaky
+	$(BIN)/shaky sweep $(EXPERIMENTS) --out runs/sweeps
+	$(BIN)/shaky report $(patsubst experiments/%.toml,runs/sweeps/%,$(EXPERIMENTS)) \
+		--out docs/reproduction --reproduction REPRODUCTION.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache build *.egg-info

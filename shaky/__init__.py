@@ -1,7 +1,8 @@
 """shaky: distributed training over bad networks.
 
-The public API: build a config, prepare and train a run in the simulator, or
-average your own model across torch.distributed ranks with ``RPSAverager``.
+The public API: build a config, prepare and train a run in the simulator, run a
+sweep and report on it, or average your own model across torch.distributed ranks
+with ``RPSAverager``.
 """
 
 import os
@@ -18,10 +19,12 @@ from shaky.network.model import LinkSample, NetworkModel  # noqa: E402
 from shaky.network.clock import Clock  # noqa: E402
 from shaky.scale import scalability  # noqa: E402
 from shaky.strategies import Strategy, build_strategy  # noqa: E402
+from shaky.sweep import load_sweep, run_sweeps  # noqa: E402
 from shaky.train import prepare, read_metrics, train  # noqa: E402
+from shaky.report import write_report  # noqa: E402
 
 __all__ = [
     "Clock", "LinkSample", "ModelAverager", "NetworkConfig", "NetworkModel", "RPSAverager", "RunConfig", "SimComm",
-    "Strategy", "build_strategy", "config_from_dict", "load_toml", "prepare", "read_metrics", "scalability",
-    "train",
+    "Strategy", "build_strategy", "config_from_dict", "load_sweep", "load_toml", "prepare", "read_metrics",
+    "run_sweeps", "scalability", "train", "write_report",
 ]

@@ -1,4 +1,4 @@
-"""The command line: ``shaky train``, ``shaky demo`` and ``shaky scale``.
+"""The command line: ``shaky train``, ``shaky demo``, ``shaky scale``, ``shaky sweep`` and ``shaky report``.
 
 Bad input (a setting that does not exist, a value out of range, a data path
 that cannot be read) prints one line naming the setting and the value and exits
@@ -93,6 +93,25 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--period", type=int, default=None, help="dts's d and local-sgd's tau (default: as --delay)")
     scale.add_argument("--out", metavar="FILE.png", default="runs/scale.png", help="where the plot goes "
                        "(a Markdown table goes beside it)")
+
+    sweep = sub.add_parser("sweep", help="run a grid of runs from TOML files, in parallel, resumable",
+                           description="Runs every combination of a sweep file's [grid] on top of its [base], "
+                           "one process per core; finished runs (summary.json) are skipped, so an interrupted "
+                           "sweep resumes. Runs go to OUT/<file stem>/<key=value,...>.")
+    sweep.add_argument("files", nargs="+", metavar="FILE.toml", help="sweep files (experiments/*.toml)")
+    sweep.add_argument("--out", metavar="DIR", default="runs/sweeps", help="where sweeps go (default runs/sweeps)")
+    sweep.add_argument("--jobs", type=int, default=None, help="processes at once (default: the cores)")
+    sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a base setting; on a grid key, the grid keeps only VALUE (repeatable)")
+    sweep.add_argument("--quiet", action="store_true", help="no progress output")
+
+    report = sub.add_parser("report", help="plots, tables and claim checks from sweeps and run directories")
+    report.add_argument("dirs", nargs="+", metavar="DIR", help="sweep directories (runs/sweeps/NAME), run "
+                        "directories, or directories holding runs")
+    report.add_argument("--out", metavar="DIR", default="runs/report", help="where the PNGs and report.md go "
+                        "(default runs/report)")
+    report.add_argument("--reproduction", metavar="FILE.md", default=None, help="also write the claims page "
+                        "(REPRODUCTION.md), linking the plots in --out")
     return parser
 
 
@@ -349,10 +368,78 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_file_below(flag: str, path: Path) -> None:
+    blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise BadInput(f"{flag} {str(path)!r} cannot be created: {str(blocker)!r} is a file")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from shaky.sweep import load_sweep, parse_overrides, plan, run_sweeps  # noqa: PLC0415
+
+    if args.jobs is not None and args.jobs < 1:
+        raise BadInput(f"--jobs must be >= 1, got {args.jobs}")
+    out = Path(args.out)
+    _no_file_below("--out", out)
+    try:
+        overrides = parse_overrides(args.set)
+        sweeps = [load_sweep(f, overrides) for f in args.files]
+        names = [s.name for s in sweeps]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"two sweep files are named {name!r}; their runs would share {str(out / name)!r}")
+        plan(sweeps, out)  # refuses directories of other configs before anything is written
+    except (ValueError, TypeError) as exc:
+        raise BadInput(str(exc)) from None
+    try:
+        outcome = run_sweeps(sweeps, out, jobs=args.jobs, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print("shaky: interrupted; run the same command again to resume (finished runs are kept)", file=sys.stderr)
+        return 130
+    for name, error in outcome.failed:
+        print(f"shaky: run failed: {name}: {error}", file=sys.stderr)
+    print(f"sweep: {outcome.ran} runs done, {outcome.skipped} already finished, {len(outcome.failed)} failed, "
+          f"in {outcome.wall_s:.0f} s; runs in {out}")
+    return 1 if outcome.failed else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from shaky.report import find_runs, write_report  # noqa: PLC0415
+    from shaky.sweep import SWEEP_FILE  # noqa: PLC0415
+
+    dirs = [Path(d) for d in args.dirs]
+    for d in dirs:
+        if not d.is_dir():
+            raise BadInput(f"report: {str(d)!r} is not a directory")
+        if not (d / SWEEP_FILE).is_file() and not find_runs(d):
+            raise BadInput(f"report: {str(d)!r} is neither a sweep directory ({SWEEP_FILE}) nor holds finished "
+                           "runs (summary.json)")
+    out = Path(args.out)
+    _no_file_below("--out", out)
+    reproduction = Path(args.reproduction) if args.reproduction else None
+    if reproduction is not None:
+        _no_file_below("--reproduction", reproduction.parent)
+        if reproduction.is_dir():
+            raise BadInput(f"--reproduction {str(reproduction)!r} is a directory; name a .md file")
+    try:
+        result = write_report(dirs, out, reproduction)
+    except (ValueError, TypeError) as exc:
+        raise BadInput(str(exc)) from None
+    for v in result["verdicts"]:
+        verdict = "holds" if v.holds else ("not measured" if v.holds is None else "does not hold")
+        print(f"{v.id}: {verdict}: {' '.join(v.ours.split())}" + (f" ({v.why})" if v.why else ""))
+    if result["missing"]:
+        print(f"shaky: warning: {result['missing']} runs of these sweeps are not finished; run shaky sweep again",
+              file=sys.stderr)
+    print(f"report: {result['report']} ({len(result['plots'])} plots in {out})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "demo": cmd_demo, "scale": cmd_scale}[args.command](args)
+        return {"train": cmd_train, "demo": cmd_demo, "scale": cmd_scale, "sweep": cmd_sweep,
+                "report": cmd_report}[args.command](args)
     except BadInput as exc:
         # Every user-input check runs before a run directory exists; errors
         # raised later are bugs and keep their traceback.

@@ -96,7 +96,7 @@ def test_torchrun_trains_like_the_simulator(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "shaky", "train", "--backend", "dist", "--workers", "2", "--steps", "30", "--eval-every", "10",
            "--drop-rate", "0.1", "--set", "network.compute_ms=1.0", "--quiet", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     cfg = make_config(num_workers=2, steps=30, eval_every=10, batch_size=32, network={"drop_rate": 0.1, "compute_ms": 1.0})
@@ -110,7 +110,7 @@ def test_example_script_runs_under_torchrun(tmp_path: Path) -> None:
     script = Path(__file__).resolve().parents[1] / "examples" / "rps_averager.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(script), "--steps", "150", "--drop-rate", "0.1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
