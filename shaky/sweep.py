@@ -462,8 +462,7 @@ def _execute(task: Task) -> dict[str, Any]:
     cfg, scale_cfg = build_run(task.values, task.kind)
     if not task.resume:
         _clear_run_dir(run_dir)
-    if task.kind == "scale":
-        assert scale_cfg is not None  # build_run returns one for kind scale
+    if task.kind == "scale" and scale_cfg is not None:  # build_run returns one for kind scale
         return _execute_scale(cfg, scale_cfg, run_dir)
     from shaky.train import prepare, read_metrics, train  # noqa: PLC0415
 
