@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/sim.py            # the full table (a few minutes on 2 cores)
     .venv/bin/python benchmarks/sim.py --quick    # fewer cases and repeats
     .venv/bin/python benchmarks/sim.py --models mlp --workers 16 --no-gloo
+    .venv/bin/python benchmarks/sim.py --threads 1 --profile   # one thread; then profiles of (a) and (c)
 
 One round is every worker's forward, backward and SGD update on its own batch of
 ``--batch`` samples, plus the averaging of the models:
@@ -10,8 +11,10 @@ One round is every worker's forward, backward and SGD update on its own batch of
 a. shaky's simulator: ``shaky.vectorized.make_functions``'s grad_fn over the
    ``[W, D]`` parameters, then one RPS step (``shaky.strategies.RPS``: shaky's SGD
    update and ``SimComm.block_average`` over masks drawn by ``NetworkModel`` at
-   drop rate 0.1). ``a_grad`` and ``a_step`` are those two parts alone, and
-   ``a_vmap`` is the same round with the generic ``vmap(grad_and_value)`` path.
+   drop rate 0.1). ``a_grad`` and ``a_step`` are those two parts alone,
+   ``a_vmap`` is the same round with the generic ``vmap(grad_and_value)`` path,
+   and ``a*`` the same round with :func:`proposed_block_average` in place of
+   ``SimComm.block_average`` (a proposal for shaky/comm/sim.py).
 b. a naive loop: W ``nn.Module`` copies, each with its own ``torch.optim.SGD``,
    stepped one after another, then every parameter averaged across the copies.
 c. the limit: one model at batch ``W * B``, forward, backward and an SGD step.
@@ -21,9 +24,11 @@ d. W torch.distributed gloo processes on 127.0.0.1, one worker each (one thread
    barriers (W = 4 and 16 only).
 
 a, b and c run interleaved (a, b, c, a, b, c, ...) in one process, so load from
-other programs hits them alike; the table shows medians. ``peak MB`` is the
-growth of the peak resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``)
-of a fresh process while it runs (a), over its resident set just before.
+other programs hits them alike; the table shows medians, and ratios of each
+column's fastest round ("min"), which is what a quiet machine shows. ``peak MB``
+is the growth of the peak resident set of a fresh process while it runs two
+rounds of (a): ``VmHWM`` from /proc/self/status (the peak-RSS mark, reset just
+before the rounds through /proc/self/clear_refs) minus ``VmRSS`` just before.
 Inputs are random tensors of the datasets' shapes: timing does not depend on
 the values.
 """
@@ -37,7 +42,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import resource
 import socket
 import statistics
 import sys
@@ -51,6 +55,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shaky.comm.base import block_sizes  # noqa: E402
 from shaky.comm.sim import SimComm  # noqa: E402
 from shaky.config import NetworkConfig, OptimConfig, StrategyConfig  # noqa: E402
 from shaky.models import FlatParams, build_model  # noqa: E402
@@ -89,16 +94,55 @@ def _setup(case: str, workers: int, batch: int, seed: int = 0) -> dict[str, Any]
     return {"model": model, "flat": flat, "x": x, "y": y, "mask": torch.ones(workers, batch)}
 
 
+def proposed_block_average(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                           weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
+    """SimComm.block_average with two passes fewer over ``[W, D]`` (a proposal, see docs/performance.md).
+
+    Same result to float rounding. Each block's average is a multiply and a sum over the senders (not an
+    einsum, which copies the blocks into a permuted layout and then runs one tiny gemv per server), and
+    ``torch.where`` writes the result straight into the output instead of into a temporary that is copied.
+    """
+    if servers is not None:
+        up, down = up[:, servers], down[servers, :]
+    w, dim = x.shape
+    sizes = block_sizes(dim, w)
+    big = sizes.count(sizes[0])
+    groups = [(0, big, sizes[0]), (big, w, sizes[-1])] if big < w else [(0, w, sizes[0])]
+    up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
+    coef = (up_f / up_f.sum(0)).unsqueeze(-1)            # [senders, servers, 1]: each sender's share
+    got = down.T.unsqueeze(-1)                            # [workers, servers, 1]
+    out = torch.empty_like(x)
+    start = 0
+    for first, last, size in groups:
+        if size == 0:
+            continue
+        stop = start + (last - first) * size
+        blocks = x[:, start:stop].view(w, last - first, size)
+        avg = (blocks * coef[:, first:last]).sum(0, keepdim=True)
+        torch.where(got[:, first:last], avg, blocks, out=out[:, start:stop].view_as(blocks))
+        start = stop
+    return out
+
+
+class ProposedSimComm(SimComm):
+    """SimComm with :func:`proposed_block_average` (for the a* column only)."""
+
+    def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
+        return proposed_block_average(x, up, down, weights=weights, servers=servers)
+
+
 class SimRound:
     """(a): the simulator's round, grad_fn + RPS step, exactly the calls train.py makes."""
 
-    def __init__(self, s: dict[str, Any], workers: int, generic: bool = False, compile: bool = False) -> None:
+    def __init__(self, s: dict[str, Any], workers: int, generic: bool = False, compile: bool = False,
+                 proposed: bool = False) -> None:
         model, flat = s["model"], s["flat"]
         self.grad_fn = (generic_functions(model, flat) if generic else make_functions(model, flat, compile=compile))[0]
         self.params = flat.flatten(model)[None].repeat(workers, 1).contiguous()
         self.strategy = RPS(SGD(OptimConfig(lr=LR)), StrategyConfig(name="rps"))
         self.state = self.strategy.init(self.params)
-        self.comm = SimComm(workers)
+        self.comm = ProposedSimComm(workers) if proposed else SimComm(workers)
         network = NetworkModel(NetworkConfig(drop_rate=DROP_RATE), workers, seed=0)
         self.links = [network.sample(r) for r in range(8)]
         self.x, self.y, self.mask = s["x"], s["y"], s["mask"]
@@ -108,10 +152,12 @@ class SimRound:
 
     def __call__(self) -> None:
         t0 = CLOCK()
-        grads, losses = self.grad_fn(self.params, self.x, self.y, self.mask)
+        with torch.profiler.record_function("a: grad_fn"):
+            grads, losses = self.grad_fn(self.params, self.x, self.y, self.mask)
         t1 = CLOCK()
         links = self.links[self.round % len(self.links)]
-        self.params, self.state, _ = self.strategy.step(self.params, grads, self.state, self.comm, links)
+        with torch.profiler.record_function("a: RPS step (SGD + block_average)"):
+            self.params, self.state, _ = self.strategy.step(self.params, grads, self.state, self.comm, links)
         t2 = CLOCK()
         self.round += 1
         self.grad_s.append(t1 - t0)
@@ -154,67 +200,108 @@ class LimitRound:
         self.opt.step()
 
 
-def _repeats(case: str, workers: int, quick: bool) -> tuple[int, int]:
-    """(warm-up rounds, timed rounds) so that a case takes seconds, not minutes."""
-    heavy = {"mlp": 1, "cnn1d": 4, "cnn": 60, "resnet20": 400}[case] * workers
-    timed = 40 if heavy < 64 else 15 if heavy < 1000 else 7 if heavy < 10000 else 3
-    if quick:
-        timed = max(3, timed // 3)
-    return (1 if heavy >= 10000 else 2), timed
+def _budget(quick: bool) -> tuple[float, int, int]:
+    """(seconds of timed rounds per case, fewest rounds, most rounds)."""
+    return (1.5, 3, 100) if quick else (6.0, 3, 300)
 
 
-def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap: bool) -> dict[str, float]:
-    """a, b, c (and a_vmap) interleaved; medians in ms."""
+def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap: bool,
+                     with_loop: bool) -> dict[str, Any]:
+    """a, b, c (and a_vmap) interleaved round by round; medians and minimums in ms."""
     s = _setup(case, workers, batch)
-    runs: dict[str, Callable[[], None]] = {"a": SimRound(s, workers), "b": LoopRound(s, workers),
-                                           "c": LimitRound(s, workers)}
+    runs: dict[str, Callable[[], None]] = {"a": SimRound(s, workers), "c": LimitRound(s, workers)}
+    if with_loop:
+        runs["b"] = LoopRound(s, workers)
     if with_vmap:
         runs["a_vmap"] = SimRound(s, workers, generic=True)
-    warm, timed = _repeats(case, workers, quick)
+    if with_loop:
+        runs["a*"] = SimRound(s, workers, proposed=True)
+    budget_s, fewest, most = _budget(quick)
     times: dict[str, list[float]] = {k: [] for k in runs}
-    for r in range(warm + timed):
+    t0 = time.perf_counter()
+    runs["a"]()
+    # One warm-up round where a round takes seconds, two where it is fast (allocator, oneDNN primitive cache).
+    warm = 1 if time.perf_counter() - t0 > 1.0 else 2
+    t_start = time.perf_counter()
+    for r in range(warm + most):
         for key, fn in runs.items():
+            if r == 0 and key == "a":
+                continue
             t0 = CLOCK()
             fn()
             if r >= warm:
                 times[key].append(CLOCK() - t0)
-    out = {k: _median_ms(v) for k, v in times.items()}
+        if r == warm - 1:
+            t_start = time.perf_counter()
+        if r >= warm + fewest - 1 and time.perf_counter() - t_start > budget_s:
+            break
+    out: dict[str, Any] = {k: _median_ms(v) for k, v in times.items()}
+    out.update({f"{k}_min": min(v) * 1e3 for k, v in times.items()})
     a = runs["a"]
     assert isinstance(a, SimRound)
     out["a_grad"] = _median_ms(a.grad_s[warm:])
     out["a_step"] = _median_ms(a.step_s[warm:])
-    out["rounds"] = timed
+    out["a_grad_min"] = min(a.grad_s[warm:]) * 1e3
+    out["a_step_min"] = min(a.step_s[warm:]) * 1e3
+    out["rounds"] = len(times["a"])
     return out
+
+
+def profile_round(case: str, workers: int, batch: int, rounds: int = 5, row_limit: int = 18) -> None:
+    """Print torch.profiler's table of (a), by operator, and of (c) beside it."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    s = _setup(case, workers, batch)
+    a, c = SimRound(s, workers), LimitRound(s, workers)
+    for _ in range(2):
+        a()
+        c()
+    for name, fn in (("a", a), ("c", c)):
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+            for _ in range(rounds):
+                fn()
+        print(f"\nprofile of ({name}) {case} W={workers}, {rounds} rounds, CPU time by operator:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit, max_name_column_width=45))
 
 
 # ---------------------------------------------------------------------------------------------------------- memory
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _status_mb(field: str) -> float:
+    """A memory line of /proc/self/status (VmRSS: resident now, VmHWM: its peak), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _memory_child(case: str, workers: int, batch: int, rounds: int, threads: int, tune: bool, queue: Any) -> None:
+def _memory_child(case: str, workers: int, batch: int, rounds: int, threads: int, allocator: str,
+                  queue: Any) -> None:
     try:
         torch.set_num_threads(threads)
-        if tune:
-            tune_allocator()
+        if allocator != "off":
+            tune_allocator(keep_large_blocks=allocator == "keep")
         s = _setup(case, workers, batch)
         run = SimRound(s, workers)
-        before = _rss_mb()
+        # Reset the peak-RSS mark (VmHWM) to the resident set now. ru_maxrss would not do: a spawned child
+        # inherits its parent's peak through fork and exec.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_mb("VmRSS")
         for _ in range(rounds):
             run()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        peak = _status_mb("VmHWM")
         queue.put({"peak_mb": peak - before, "rss_before_mb": before, "peak_rss_mb": peak})
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         queue.put({"error": f"{type(e).__name__}: {e}"})
 
 
-def peak_memory(case: str, workers: int, batch: int, threads: int, tune: bool, timeout_s: float) -> dict[str, Any]:
-    """Peak resident-set growth of (a) in a fresh process (ru_maxrss after - resident set before)."""
+def peak_memory(case: str, workers: int, batch: int, threads: int, allocator: str,
+                timeout_s: float) -> dict[str, Any]:
+    """Peak resident-set growth of (a) in a fresh process (VmHWM after the rounds - VmRSS before them)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_memory_child, args=(case, workers, batch, 2, threads, tune, queue), daemon=True)
+    proc = ctx.Process(target=_memory_child, args=(case, workers, batch, 2, threads, allocator, queue), daemon=True)
     proc.start()
     try:
         return queue.get(timeout=timeout_s)
@@ -235,11 +322,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _gloo_worker(rank: int, world: int, port: int, cases: list[str], batch: int, quick: bool,
+def _gloo_worker(rank: int, world: int, port: int, cases: list[str], batch: int, quick: bool, allocator: str,
                  result_file: str) -> None:
     import torch.distributed as dist  # noqa: PLC0415 - only the dist baseline needs it
 
     torch.set_num_threads(1)
+    if allocator != "off":
+        tune_allocator(keep_large_blocks=allocator == "keep")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     results: dict[str, float] = {}
@@ -250,9 +339,10 @@ def _gloo_worker(rank: int, world: int, port: int, cases: list[str], batch: int,
             flat = s["flat"]
             opt = torch.optim.SGD(model.parameters(), lr=LR)
             x, y = s["x"][rank], s["y"][rank]
-            warm, timed = _repeats(case, world, quick)
-            times = []
-            for r in range(warm + timed):
+            budget_s, fewest, most = _budget(quick)
+            warm, times = 2, []
+            t_start = time.perf_counter()
+            for r in range(warm + most):
                 dist.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()
@@ -264,6 +354,13 @@ def _gloo_worker(rank: int, world: int, port: int, cases: list[str], batch: int,
                 dist.barrier()
                 if r >= warm:
                     times.append(time.perf_counter() - t0)
+                elif r == warm - 1:
+                    t_start = time.perf_counter()
+                # Every rank must run the same number of rounds: rank 0 decides when to stop.
+                stop = torch.tensor([float(r >= warm + fewest - 1 and time.perf_counter() - t_start > budget_s)])
+                dist.broadcast(stop, src=0)
+                if stop.item():
+                    break
             # A round ends when the slowest process is done: take the maximum over the ranks.
             t = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -274,14 +371,14 @@ def _gloo_worker(rank: int, world: int, port: int, cases: list[str], batch: int,
         dist.destroy_process_group()
 
 
-def bench_gloo(world: int, cases: list[str], batch: int, quick: bool, timeout_s: float,
+def bench_gloo(world: int, cases: list[str], batch: int, quick: bool, allocator: str, timeout_s: float,
                scratch: Path) -> dict[str, float]:
     """(d) for every case at once with one group of ``world`` processes; {} (and a message) on failure."""
     result_file = scratch / f"gloo-{world}-{os.getpid()}.json"
     result_file.unlink(missing_ok=True)
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, cases, batch, quick, str(result_file)),
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, cases, batch, quick, allocator, str(result_file)),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -316,23 +413,31 @@ def _fmt(v: float | None, digits: int = 2) -> str:
     return f"{v:.{digits}f}" if v < 10 else f"{v:.1f}"
 
 
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None else num / den
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = ["model", "W", "a ms", "a_grad", "a_step", "a_vmap", "b ms", "c ms", "d ms", "a/c", "b/a", "d/a",
-            "vmap/a", "peak MB"]
+            "vmap/a", "a/c min", "b/a min", "a*/c", "a*/c min", "peak MB"]
     lines = [cols]
     for r in rows:
         a = r.get("a")
-        ratio = (lambda num, den: None if num is None or den is None else num / den)
+        peak = _fmt(r.get("peak_mb"), 0) if r.get("peak_mb") is not None else ("err" if "peak_error" in r else "-")
         lines.append([r["case"], str(r["W"]), _fmt(a), _fmt(r.get("a_grad")), _fmt(r.get("a_step")),
                       _fmt(r.get("a_vmap")), _fmt(r.get("b")), _fmt(r.get("c")), _fmt(r.get("d")),
-                      _fmt(ratio(a, r.get("c"))), _fmt(ratio(r.get("b"), a)), _fmt(ratio(r.get("d"), a)),
-                      _fmt(ratio(r.get("a_vmap"), a)),
-                      _fmt(r.get("peak_mb"), 0) if r.get("peak_mb") is not None else r.get("peak_error", "-")])
+                      _fmt(_ratio(a, r.get("c"))), _fmt(_ratio(r.get("b"), a)), _fmt(_ratio(r.get("d"), a)),
+                      _fmt(_ratio(r.get("a_vmap"), a)), _fmt(_ratio(r.get("a_min"), r.get("c_min"))),
+                      _fmt(_ratio(r.get("b_min"), r.get("a_min"))), _fmt(_ratio(r.get("a*"), r.get("c"))),
+                      _fmt(_ratio(r.get("a*_min"), r.get("c_min"))), peak])
     widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
     for i, line in enumerate(lines):
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    for r in rows:
+        if "peak_error" in r:
+            print(f"peak memory of {r['case']} W={r['W']}: {r['peak_error']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,8 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gloo", action="store_true", help="skip (d)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement of (a)")
     parser.add_argument("--no-vmap", action="store_true", help="skip a_vmap, the generic vmap path")
-    parser.add_argument("--no-tune-allocator", action="store_true",
-                        help="leave glibc's malloc settings alone (see shaky.vectorized.tune_allocator)")
+    parser.add_argument("--all", action="store_true",
+                        help="also run b and a_vmap for resnet20 at W = 64 (most of a minute a round each)")
+    parser.add_argument("--allocator", choices=("keep", "cap", "off"), default="keep",
+                        help="glibc malloc settings for every variant (shaky.vectorized.tune_allocator): keep = "
+                             "reuse every freed block (default), cap = reuse blocks up to 32 MiB, off = glibc's "
+                             "defaults")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the table, print torch.profiler tables of (a) and (c) for every case")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -358,49 +469,60 @@ def main(argv: list[str] | None = None) -> int:
     CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
-    tuned = False if args.no_tune_allocator else tune_allocator()
+    tuned = args.allocator != "off" and tune_allocator(keep_large_blocks=args.allocator == "keep")
+    allocator = args.allocator if tuned else "off"
     models = args.models or (["mlp", "cnn", "cnn1d", "resnet20"] if not args.quick else ["mlp", "cnn1d", "cnn"])
     workers = args.workers or ([4, 16, 64] if not args.quick else [4, 16])
     threads = torch.get_num_threads()
     print(f"shaky benchmarks/sim.py: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), "
-          f"malloc tuned: {tuned}, batch {args.batch} per worker, random inputs, {args.clock} clock, "
+          f"allocator: {allocator}, batch {args.batch} per worker, random inputs, {args.clock} clock, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for case in models:
         for w in workers:
             name, shape, what = CASES[case]
-            vmap_ok = not args.no_vmap and not (case == "resnet20" and w > 16)
+            # The naive loop and the generic vmap path of ResNet-20 at W = 64 take most of a minute a round.
+            heavy = case == "resnet20" and w > 16 and not args.all
+            vmap_ok = not args.no_vmap and not heavy and not (case == "resnet20" and w > 4 and args.quick)
             t0 = time.perf_counter()
             row: dict[str, Any] = {"case": case, "model": name, "input": list(shape), "what": what, "W": w,
                                    "fast_path": fast_path(_setup(case, 1, 1)["model"])}
-            row.update(bench_in_process(case, w, args.batch, args.quick, vmap_ok))
+            row.update(bench_in_process(case, w, args.batch, args.quick, vmap_ok, with_loop=not heavy))
             if not args.no_memory:
-                mem = peak_memory(case, w, args.batch, threads, tuned, timeout_s=600)
+                mem = peak_memory(case, w, args.batch, threads, allocator, timeout_s=600)
                 if "error" in mem:
                     row["peak_error"] = mem["error"]
                 else:
                     row.update(mem)
             rows.append(row)
-            print(f"  {case} W={w}: a {row['a']:.2f} ms, c {row['c']:.2f} ms, b {row['b']:.2f} ms "
+            print(f"  {case} W={w}: a {row['a']:.2f} ms, c {row['c']:.2f} ms, b {row.get('b', float('nan')):.2f} ms "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     if not args.no_gloo:
         scratch = Path(os.environ.get("TMPDIR", "/tmp"))
         for w in [w for w in workers if w in GLOO_WORKERS]:
             t0 = time.perf_counter()
-            res = bench_gloo(w, models, args.batch, args.quick, timeout_s=300, scratch=scratch)
+            res = bench_gloo(w, models, args.batch, args.quick, allocator, timeout_s=300, scratch=scratch)
             for row in rows:
                 if row["W"] == w and row["case"] in res:
                     row["d"] = res[row["case"]]
             print(f"  gloo W={w}: {res} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print()
     print_table(rows)
-    print(f"\nload average now {os.getloadavg()[0]:.1f}; medians in ms per round; a = a_grad + a_step; peak MB = growth of the peak resident set while (a) "
-          f"runs; total {time.perf_counter() - t_start:.0f} s")
+    print(f"\nmedians in ms per round (a = a_grad + a_step; a_vmap: a with the generic vmap grad_fn; a*: a with "
+          f"the block_average proposed in docs/performance.md); "
+          f"'min' ratios use each column's fastest round,\nwhich is what a quiet machine would show; peak MB = "
+          f"growth of the peak resident set while (a) runs; load average now {os.getloadavg()[0]:.1f}; "
+          f"total {time.perf_counter() - t_start:.0f} s")
+    if args.profile:
+        for case in models:
+            for w in workers:
+                profile_round(case, w, args.batch, rounds={"mlp": 50, "cnn1d": 20}.get(case, 2))
     if args.json:
         args.json.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
-                                                     "threads": threads, "malloc_tuned": tuned},
+                                                     "threads": threads, "allocator": allocator,
+                                                     "clock": args.clock},
                                          "rows": rows}, indent=1))
     return 0
 

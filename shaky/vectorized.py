@@ -121,15 +121,15 @@ def _row_views(params: torch.Tensor, flat: FlatParams) -> list[torch.Tensor]:
 def _loss_and_dlogits(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-worker masked mean cross-entropy of ``logits [W, B, C]`` and its gradient w.r.t. the logits."""
     mask = mask.to(logits.dtype)
-    lse = torch.logsumexp(logits, dim=-1)                               # [W, B]
-    nll = lse - logits.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    count = mask.sum(dim=1)
-    losses = (nll * mask).sum(dim=1) / count
+    logp = torch.log_softmax(logits, dim=-1)
+    index = y.unsqueeze(-1)
+    nll = logp.gather(-1, index).squeeze(-1).neg_()                     # [W, B]
+    count = mask.sum(dim=1, keepdim=True)
+    scale = mask / count                                                # each real sample's weight in its mean
+    losses = (nll * scale).sum(dim=1)
     # d loss_i / d logits[i, b] = (softmax - onehot) * mask[i, b] / count_i
-    dlogits = torch.exp(logits - lse.unsqueeze(-1))
-    dlogits.scatter_add_(-1, y.unsqueeze(-1), torch.full_like(y, -1, dtype=logits.dtype).unsqueeze(-1))
-    dlogits.mul_((mask / count.unsqueeze(1)).unsqueeze(-1))
-    return losses, dlogits
+    dlogits = logp.exp_().scatter_(-1, index, -1.0, reduce="add")
+    return losses, dlogits.mul_(scale.unsqueeze(-1))
 
 
 def _batched_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -183,7 +183,8 @@ class _LinearChainGrad:
                 last = layers[-1]
                 layers[-1] = _Linear(last.weight, last.bias, True)
             else:
-                assert isinstance(mod, nn.Linear)
+                if not isinstance(mod, nn.Linear):  # _linear_chain only lets Linear and ReLU through
+                    raise TypeError(f"fast MLP path: unexpected layer {type(mod).__name__}")
                 bias = None if mod.bias is None else index[id(mod.bias)]
                 layers.append(_Linear(index[id(mod.weight)], bias, False))
         self.layers = layers
@@ -302,6 +303,15 @@ def _pool_before_relu(mods: list[nn.Module]) -> list[nn.Module]:
     return out
 
 
+def _pad_channels(h: torch.Tensor, w: int, extra: int) -> torch.Tensor:
+    """Option-A shortcut on folded ``[B, W * C, H, W']``: zero-pad each worker's C channels by ``extra``."""
+    half = extra // 2
+    b, c, height, width = h.shape
+    # Channels last in memory: pad the innermost (channel) axis per worker, keep the layout.
+    nhwc = h.permute(0, 2, 3, 1).reshape(b, height, width, w, c // w)
+    return F.pad(nhwc, (half, extra - half)).reshape(b, height, width, -1).permute(0, 3, 1, 2)
+
+
 class _GroupedGrad:
     """grad_fn for convolutional nets: one folded forward graph, autograd with ``[W, D]`` as the only leaf."""
 
@@ -309,14 +319,17 @@ class _GroupedGrad:
         self.model = model
         self.flat = flat
         self.index = _param_index(model, flat)
-        # Measured on a 2-core AVX-512 CPU: channels-last made the small CNN's grouped convolutions and
-        # pooling faster, but the ResNets slower (GroupNorm and the grouped 3x3 convolutions' backward).
-        self.channels_last = not isinstance(model, ResNet) if channels_last is None else channels_last
+        # Channels-last is the layout oneDNN's grouped convolutions are fast in: on the benchmark machine (2
+        # cores, AVX-512) every grouped 3x3 convolution of the CNN and ResNet-20 ran faster in it, and the
+        # first ResNet convolution (3 channels per group) 11x faster with 2 threads. GroupNorm is slower in it
+        # (about 1.6x at 32x32), which costs less than the convolutions gain.
+        self.channels_last = True if channels_last is None else channels_last
         if isinstance(model, ResNet):
             self.logits = self._resnet_logits
         else:
             mods = _conv_layers(model)
-            assert mods is not None
+            if mods is None:  # fast_path() chose this branch only for a recognised conv net
+                raise TypeError(f"fast conv path: {type(model).__name__} is not a recognised conv net")
             self.mods = _pool_before_relu(mods)
             self.logits = self._cnn_logits
 
@@ -355,7 +368,8 @@ class _GroupedGrad:
         h = _grouped_conv(h, m.conv, self._p(p, m.conv.weight), None, w)
         h = _grouped_norm(h, m.gn, self._p(p, m.gn.weight), self._p(p, m.gn.bias), w).relu_()
         for block in m.blocks:
-            assert isinstance(block, BasicBlock)
+            if not isinstance(block, BasicBlock):
+                raise TypeError(f"fast ResNet path: unexpected block {type(block).__name__}")
             out = _grouped_conv(h, block.conv1, self._p(p, block.conv1.weight), None, w)
             out = _grouped_norm(out, block.gn1, self._p(p, block.gn1.weight), self._p(p, block.gn1.bias), w)
             out = _grouped_conv(out.relu_(), block.conv2, self._p(p, block.conv2.weight), None, w)
@@ -364,10 +378,7 @@ class _GroupedGrad:
             if block.stride != 1:
                 shortcut = shortcut[:, :, :: block.stride, :: block.stride]
             if block.extra_ch:
-                b, c = shortcut.shape[:2]
-                half = block.extra_ch // 2
-                shortcut = F.pad(shortcut.reshape(b, w, c // w, *shortcut.shape[2:]),
-                                 (0, 0, 0, 0, half, block.extra_ch - half)).reshape(b, -1, *shortcut.shape[2:])
+                shortcut = _pad_channels(shortcut, w, block.extra_ch)
             h = out.add_(shortcut).relu_()
         feats = h.mean(dim=(2, 3)).reshape(h.shape[0], w, -1).transpose(0, 1)
         return _batched_linear(feats, self._p(p, m.fc.weight), self._p(p, m.fc.bias))
@@ -398,28 +409,37 @@ def _build_fast(model: nn.Module, flat: FlatParams) -> GradFn | None:
 # Process settings
 
 
-def tune_allocator() -> bool:
-    """Keep freed memory in the process instead of returning it to the OS after every step (glibc only).
+def tune_allocator(*, keep_large_blocks: bool = True) -> bool:
+    """Keep freed memory in the process instead of returning it to the OS every step (glibc only).
 
-    glibc serves large blocks (the ``[W, D]`` parameter and gradient tensors,
-    big activations) with mmap and unmaps them on free, so every step pays for
-    page faults on fresh memory: on the benchmark machine an add of two
-    ``[64, 270k]`` tensors took 20 ms instead of 5 ms. This turns off mmap for
-    allocations and raises the trim threshold, so the heap keeps its peak size
-    and reuses it. Process-wide; call it once at start-up.
+    glibc serves large blocks with mmap and unmaps them on free, and trims the
+    heap once a few MB are free, so a loop that allocates and frees the same big
+    tensors every step (the ``[W, D]`` parameters and gradients, the activations of
+    ``W * B`` samples) page-faults on fresh memory every step. On the benchmark
+    machine that was 400k page faults and half the time of a CNN round at W = 64
+    (see ``docs/performance.md``). Process-wide; call it once at start-up.
+
+    Args:
+        keep_large_blocks: Serve every block from the heap and never trim it
+            (fastest; the heap keeps its peak size, and fragmentation can raise the
+            peak resident memory, about 1.6x for ResNet-20 at W = 64). False only
+            raises the mmap threshold to glibc's maximum, 32 MiB, and the trim
+            threshold to 512 MiB: blocks up to 32 MiB are reused, larger ones are
+            still mapped and unmapped.
 
     Returns:
         True if the settings were applied (False where the C library is not glibc).
     """
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
-    ok = mallopt(m_mmap_max, 0) == 1
-    ok &= mallopt(m_trim_threshold, 2**31 - 1) == 1
-    ok &= mallopt(m_top_pad, 64 << 20) == 1
+    m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4
+    if keep_large_blocks:
+        ok = mallopt(m_mmap_max, 0) == 1
+        ok &= mallopt(m_trim_threshold, 2**31 - 1) == 1
+    else:
+        ok = mallopt(m_mmap_threshold, 32 << 20) == 1
+        ok &= mallopt(m_trim_threshold, 512 << 20) == 1
     return bool(ok)
-

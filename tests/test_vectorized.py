@@ -67,7 +67,9 @@ def test_fast_grads_match_generic(name: str, shape: tuple[int, ...]) -> None:
     assert grads.shape == (3, flat.dim) and losses.shape == (3,)
     assert not grads.requires_grad and not losses.requires_grad
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+    # float32 rounding differs between the convolution algorithms: 1e-5 of the largest gradient entry
+    # (ResNet-110's deepest layers reach a few 1e-6 absolute).
+    torch.testing.assert_close(grads, want_grads, rtol=1e-5, atol=1e-5 * float(want_grads.abs().max()))
     assert fast_path(model) == EXPECTED_PATH.get(name, "grouped")
 
 
