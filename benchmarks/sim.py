@@ -238,7 +238,8 @@ def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap
     out: dict[str, Any] = {k: _median_ms(v) for k, v in times.items()}
     out.update({f"{k}_min": min(v) * 1e3 for k, v in times.items()})
     a = runs["a"]
-    assert isinstance(a, SimRound)
+    if not isinstance(a, SimRound):
+        raise TypeError("runs['a'] must be a SimRound")
     out["a_grad"] = _median_ms(a.grad_s[warm:])
     out["a_step"] = _median_ms(a.step_s[warm:])
     out["a_grad_min"] = min(a.grad_s[warm:]) * 1e3
@@ -442,7 +443,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer cases (no W=64 for resnet20) and repeats")
+    parser.add_argument("--quick", action="store_true",
+                        help="mlp, cnn1d and cnn at W = 4 and 16 only, with shorter timing budgets")
     parser.add_argument("--models", nargs="+", choices=list(CASES), default=None)
     parser.add_argument("--workers", nargs="+", type=int, default=None)
     parser.add_argument("--batch", type=int, default=32, help="samples per worker")
