@@ -12,6 +12,7 @@ the models block by block, losing 10% of the messages.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
@@ -57,8 +58,11 @@ def main() -> None:
 
     with torch.no_grad():
         accuracy = (model(torch.tensor(x_test, dtype=torch.float32)).argmax(1) == torch.tensor(y_test)).float().mean()
-    print(f"rank {rank}: test accuracy {accuracy:.4f}, messages dropped {averager.messages_dropped} "
-          f"of {averager.messages_sent}", flush=True)
+    # One write per line: print() writes the text and the newline separately, and two ranks
+    # sharing torchrun's stdout can interleave between them.
+    sys.stdout.write(f"rank {rank}: test accuracy {accuracy:.4f}, messages dropped {averager.messages_dropped} "
+                     f"of {averager.messages_sent}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
