@@ -201,6 +201,8 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     try:
         summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
                         label=cfg.strategy.name, progress=not args.quiet)
+        # Tear down together: a rank that leaves while another still talks to it can abort the other.
+        dist.barrier()
     except (RuntimeError, dist.DistBackendError) as exc:
         found = comm.diagnose_failure(cfg.dist_timeout_s)
         who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
