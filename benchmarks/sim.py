@@ -12,9 +12,7 @@ a. shaky's simulator: ``shaky.vectorized.make_functions``'s grad_fn over the
    ``[W, D]`` parameters, then one RPS step (``shaky.strategies.RPS``: shaky's SGD
    update and ``SimComm.block_average`` over masks drawn by ``NetworkModel`` at
    drop rate 0.1). ``a_grad`` and ``a_step`` are those two parts alone,
-   ``a_vmap`` is the same round with the generic ``vmap(grad_and_value)`` path,
-   and ``a*`` the same round with :func:`proposed_block_average` in place of
-   ``SimComm.block_average`` (a proposal for shaky/comm/sim.py).
+   ``a_vmap`` is the same round with the generic ``vmap(grad_and_value)`` path.
 b. a naive loop: W ``nn.Module`` copies, each with its own ``torch.optim.SGD``,
    stepped one after another, then every parameter averaged across the copies.
 c. the limit: one model at batch ``W * B``, forward, backward and an SGD step.
@@ -94,55 +92,16 @@ def _setup(case: str, workers: int, batch: int, seed: int = 0) -> dict[str, Any]
     return {"model": model, "flat": flat, "x": x, "y": y, "mask": torch.ones(workers, batch)}
 
 
-def proposed_block_average(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
-                           weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
-    """SimComm.block_average with two passes fewer over ``[W, D]`` (a proposal, see docs/performance.md).
-
-    Same result to float rounding. Each block's average is a multiply and a sum over the senders (not an
-    einsum, which copies the blocks into a permuted layout and then runs one tiny gemv per server), and
-    ``torch.where`` writes the result straight into the output instead of into a temporary that is copied.
-    """
-    if servers is not None:
-        up, down = up[:, servers], down[servers, :]
-    w, dim = x.shape
-    sizes = block_sizes(dim, w)
-    big = sizes.count(sizes[0])
-    groups = [(0, big, sizes[0]), (big, w, sizes[-1])] if big < w else [(0, w, sizes[0])]
-    up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
-    coef = (up_f / up_f.sum(0)).unsqueeze(-1)            # [senders, servers, 1]: each sender's share
-    got = down.T.unsqueeze(-1)                            # [workers, servers, 1]
-    out = torch.empty_like(x)
-    start = 0
-    for first, last, size in groups:
-        if size == 0:
-            continue
-        stop = start + (last - first) * size
-        blocks = x[:, start:stop].view(w, last - first, size)
-        avg = (blocks * coef[:, first:last]).sum(0, keepdim=True)
-        torch.where(got[:, first:last], avg, blocks, out=out[:, start:stop].view_as(blocks))
-        start = stop
-    return out
-
-
-class ProposedSimComm(SimComm):
-    """SimComm with :func:`proposed_block_average` (for the a* column only)."""
-
-    def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
-                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
-        return proposed_block_average(x, up, down, weights=weights, servers=servers)
-
-
 class SimRound:
     """(a): the simulator's round, grad_fn + RPS step, exactly the calls train.py makes."""
 
-    def __init__(self, s: dict[str, Any], workers: int, generic: bool = False, compile: bool = False,
-                 proposed: bool = False) -> None:
+    def __init__(self, s: dict[str, Any], workers: int, generic: bool = False, compile: bool = False) -> None:
         model, flat = s["model"], s["flat"]
         self.grad_fn = (generic_functions(model, flat) if generic else make_functions(model, flat, compile=compile))[0]
         self.params = flat.flatten(model)[None].repeat(workers, 1).contiguous()
         self.strategy = RPS(SGD(OptimConfig(lr=LR)), StrategyConfig(name="rps"))
         self.state = self.strategy.init(self.params)
-        self.comm = ProposedSimComm(workers) if proposed else SimComm(workers)
+        self.comm = SimComm(workers)
         network = NetworkModel(NetworkConfig(drop_rate=DROP_RATE), workers, seed=0)
         self.links = [network.sample(r) for r in range(8)]
         self.x, self.y, self.mask = s["x"], s["y"], s["mask"]
@@ -214,8 +173,6 @@ def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap
         runs["b"] = LoopRound(s, workers)
     if with_vmap:
         runs["a_vmap"] = SimRound(s, workers, generic=True)
-    if with_loop:
-        runs["a*"] = SimRound(s, workers, proposed=True)
     budget_s, fewest, most = _budget(quick)
     times: dict[str, list[float]] = {k: [] for k in runs}
     t0 = time.perf_counter()
@@ -420,7 +377,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = ["model", "W", "a ms", "a_grad", "a_step", "a_vmap", "b ms", "c ms", "d ms", "a/c", "b/a", "d/a",
-            "vmap/a", "a/c min", "b/a min", "a*/c", "a*/c min", "peak MB"]
+            "vmap/a", "a/c min", "b/a min", "peak MB"]
     lines = [cols]
     for r in rows:
         a = r.get("a")
@@ -429,8 +386,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                       _fmt(r.get("a_vmap")), _fmt(r.get("b")), _fmt(r.get("c")), _fmt(r.get("d")),
                       _fmt(_ratio(a, r.get("c"))), _fmt(_ratio(r.get("b"), a)), _fmt(_ratio(r.get("d"), a)),
                       _fmt(_ratio(r.get("a_vmap"), a)), _fmt(_ratio(r.get("a_min"), r.get("c_min"))),
-                      _fmt(_ratio(r.get("b_min"), r.get("a_min"))), _fmt(_ratio(r.get("a*"), r.get("c"))),
-                      _fmt(_ratio(r.get("a*_min"), r.get("c_min"))), peak])
+                      _fmt(_ratio(r.get("b_min"), r.get("a_min"))), peak])
     widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
     for i, line in enumerate(lines):
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
@@ -512,8 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  gloo W={w}: {res} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print()
     print_table(rows)
-    print(f"\nmedians in ms per round (a = a_grad + a_step; a_vmap: a with the generic vmap grad_fn; a*: a with "
-          f"the block_average proposed in docs/performance.md); "
+    print(f"\nmedians in ms per round (a = a_grad + a_step; a_vmap: a with the generic vmap grad_fn); "
           f"'min' ratios use each column's fastest round,\nwhich is what a quiet machine would show; peak MB = "
           f"growth of the peak resident set while (a) runs; load average now {os.getloadavg()[0]:.1f}; "
           f"total {time.perf_counter() - t_start:.0f} s")

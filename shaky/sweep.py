@@ -449,6 +449,9 @@ def execute(task: Task) -> dict[str, Any]:
     """
     import torch  # noqa: PLC0415
 
+    from shaky.vectorized import tune_allocator  # noqa: PLC0415
+
+    tune_allocator()  # keep freed memory for the next step's tensors (process-wide; see docs/performance.md)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -3,9 +3,9 @@
 ``prepare`` does everything that can fail on user input (data, shards, model,
 network, strategy) before anything is written. ``train`` then runs the loop:
 each step draws every local worker's mini-batch, computes all their gradients
-at once (torch.func.vmap over the [w, D] parameter rows), samples the network
-for the round, lets the strategy update and exchange, and advances the
-simulated clock. Metrics, checkpoints and the delivery trace go to the run
+at once (one batched computation over the [w, D] parameter rows, see
+``shaky.vectorized``), samples the network for the round, lets the strategy
+update and exchange, and advances the simulated clock. Metrics, checkpoints and the delivery trace go to the run
 directory; only the writer process (rank 0 in torch.distributed) writes.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import vmap
 
 from shaky.comm.base import Comm
 from shaky.comm.sim import SimComm
@@ -35,6 +35,7 @@ from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule
 from shaky.network.model import LinkSample, NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
 from shaky.strategies import Strategy, build_strategy
+from shaky.vectorized import make_functions
 
 CONFIG_FILE = "config.toml"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -46,44 +47,69 @@ SHARDS_FILE = "shards.json"
 _BATCH_STREAM = 0x626174
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array (not a scalar: arrays wrap modulo 2**64 silently)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 class BatchSampler:
     """Mini-batch indices per worker: a pure function of (seed, worker, step).
 
-    Worker i walks through its shard in a fresh permutation each epoch, the
-    permutation drawn from (seed, i, epoch), so a resumed run, the simulator and
-    every torch.distributed rank draw the same batches without saving any state.
+    Worker i walks through its shard in a fresh permutation each epoch, so a
+    resumed run, the simulator and every torch.distributed rank draw the same
+    batches without saving any state. The permutation of (seed, i, epoch) sorts
+    the shard by a 64-bit hash of (seed, i, epoch, position), which draws it for
+    all workers at once: a step costs a fixed number of array operations, whatever
+    the number of workers.
     """
 
     def __init__(self, shards: list[np.ndarray], rows: list[int], batch_sizes: tuple[int, ...] | list[int],
                  seed: int) -> None:
-        self.shards = [shards[r] for r in rows]
         self.rows = rows
-        self.batch_sizes = [batch_sizes[r] for r in rows]
+        self.batch_sizes = np.asarray([batch_sizes[r] for r in rows], dtype=np.int64)
         self.width = max(batch_sizes)
         self.seed = seed
-        self._perm: dict[tuple[int, int], np.ndarray] = {}
+        self.lengths = np.asarray([len(shards[r]) for r in rows], dtype=np.int64)
+        if (self.lengths == 0).any():
+            raise ValueError(f"worker {rows[int(np.argmin(self.lengths))]} has no training samples")
+        longest = int(self.lengths.max())
+        self._padded = np.zeros((len(rows), longest), dtype=np.int64)   # shard k in row k, zero-padded
+        for k, r in enumerate(rows):
+            self._padded[k, :len(shards[r])] = shards[r]
+        self._beyond = np.arange(longest)[None, :] >= self.lengths[:, None]
+        self._worker_keys = _mix(_mix(np.array([seed ^ _BATCH_STREAM], dtype=np.uint64)) + np.asarray(rows, dtype=np.uint64))
+        self._perm: dict[int, np.ndarray] = {}
         # Which slots of the padded [w, width] batch are real samples (workers may differ in batch size).
-        self.mask = torch.tensor([[1.0] * b + [0.0] * (self.width - b) for b in self.batch_sizes])
+        self.mask = torch.from_numpy((np.arange(self.width)[None, :] < self.batch_sizes[:, None]).astype(np.float32))
 
-    def _permutation(self, k: int, epoch: int) -> np.ndarray:
-        key = (k, epoch)
-        if key not in self._perm:
-            if len(self._perm) > 4 * len(self.rows):
+    def _permutations(self, epoch: int) -> np.ndarray:
+        """int64 [w, longest shard]: every local worker's shard in its order of ``epoch`` (then padding)."""
+        perm = self._perm.get(epoch)
+        if perm is None:
+            if len(self._perm) >= 8:
                 self._perm.clear()
-            rng = np.random.default_rng([self.seed, _BATCH_STREAM, self.rows[k], epoch])
-            self._perm[key] = self.shards[k][rng.permutation(len(self.shards[k]))]
-        return self._perm[key]
+            keys = _mix(_mix(self._worker_keys + np.uint64(epoch))[:, None] + np.arange(self._padded.shape[1],
+                                                                                         dtype=np.uint64))
+            keys[self._beyond] = np.iinfo(np.uint64).max   # padding sorts last
+            order = np.argsort(keys, axis=1, kind="stable")
+            perm = self._perm[epoch] = np.take_along_axis(self._padded, order, axis=1)
+        return perm
 
     def indices(self, step: int) -> torch.Tensor:
         """int64 [w, width]: each local worker's samples at ``step``, padded (see ``mask``) to the widest batch."""
-        out = np.zeros((len(self.rows), self.width), dtype=np.int64)
-        for k, (shard, b) in enumerate(zip(self.shards, self.batch_sizes)):
-            pos = step * b + np.arange(b)
-            epochs, offsets = np.divmod(pos, len(shard))
-            for epoch in np.unique(epochs):
-                sel = epochs == epoch
-                out[k, :b][sel] = self._permutation(k, int(epoch))[offsets[sel]]
-        return torch.from_numpy(out)
+        slots = np.arange(self.width)[None, :]
+        real = slots < self.batch_sizes[:, None]
+        pos = step * self.batch_sizes[:, None] + slots
+        epochs, offsets = np.divmod(pos, self.lengths[:, None])
+        needed = np.unique(epochs[real])
+        stacked = np.stack([self._permutations(int(e)) for e in needed])       # [epochs, w, longest]
+        which = np.searchsorted(needed, epochs).clip(max=len(needed) - 1)
+        out = stacked[which, np.arange(len(self.rows))[:, None], offsets]
+        return torch.from_numpy(np.where(real, out, 0))
 
 
 @dataclass
@@ -101,18 +127,6 @@ class Setup:
     dtype: torch.dtype
     grad_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     forward_fn: Callable[..., torch.Tensor] = field(repr=False)
-
-
-def _model_functions(model: torch.nn.Module, flat: FlatParams) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def logits(row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(model, flat.unflatten(row), (x,))
-
-    def loss(row: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # The mean over the worker's real samples; padding slots (mask 0) weigh nothing.
-        return (F.cross_entropy(logits(row, x), y, reduction="none") * mask).sum() / mask.sum()
-
-    # All workers' forward and backward as one computation over the leading axis.
-    return vmap(grad_and_value(loss)), logits
 
 
 # Measured compute times, per (dataset, model, batch size, dtype), shared by the runs of one process
@@ -159,7 +173,7 @@ def prepare(cfg: RunConfig) -> Setup:
         network: NetworkModel = TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, up, down)
     else:
         network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed)
-    grad_fn, forward_fn = _model_functions(model, flat)
+    grad_fn, forward_fn = make_functions(model, flat)
     setup = Setup(cfg, data, shards, model, flat, network, build_strategy(cfg), cfg.network.compute_ms,
                   dtype, grad_fn, forward_fn)
     if setup.compute_ms < 0:

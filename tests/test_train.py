@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from shaky.train import CHECKPOINT_FILE, SHARDS_FILE, InterruptedRun, prepare, read_metrics, train
+from shaky.train import CHECKPOINT_FILE, SHARDS_FILE, BatchSampler, InterruptedRun, prepare, read_metrics, train
 
 from conftest import make_config, run, without_wall_time
 
@@ -80,3 +81,32 @@ def test_reliable_transport_pays_for_drops_in_time_not_accuracy(tmp_run) -> None
     assert torch.equal(clean_params, lossy_params)
     assert lossy["sim_time_s"] > clean["sim_time_s"] + 0.2 * 10   # a 200 ms timeout in most rounds
     assert lossy["bytes_sent"] > clean["bytes_sent"]              # resent messages count again
+
+
+def test_batch_sampler_walks_each_shard_once_per_epoch() -> None:
+    shards = [np.arange(10), np.arange(10, 13), np.arange(20, 41)]
+    sampler = BatchSampler(shards, [0, 1, 2], [4, 5, 3], seed=11)
+    drawn: list[list[int]] = [[], [], []]
+    for step in range(42):
+        idx = sampler.indices(step).numpy()
+        for k, b in enumerate([4, 5, 3]):
+            assert (idx[k, b:] == 0).all()
+            drawn[k].extend(idx[k, :b].tolist())
+    for k, shard in enumerate(shards):
+        n = len(shard)
+        epochs = [drawn[k][e * n:(e + 1) * n] for e in range(len(drawn[k]) // n)]
+        assert len(epochs) >= 5
+        assert all(sorted(e) == shard.tolist() for e in epochs)
+        assert len({tuple(e) for e in epochs}) > 1  # a fresh order each epoch
+
+
+def test_batch_sampler_rows_agree_with_the_full_sampler() -> None:
+    """A torch.distributed rank samples its own row only; it must draw what the simulator draws for that row."""
+    shards = [np.arange(i * 50, i * 50 + 30 + i) for i in range(4)]
+    full = BatchSampler(shards, [0, 1, 2, 3], [8] * 4, seed=3)
+    for r in range(4):
+        mine = BatchSampler(shards, [r], [8] * 4, seed=3)
+        for step in (0, 3, 17):
+            assert torch.equal(mine.indices(step)[0], full.indices(step)[r])
+    other = BatchSampler(shards, [0, 1, 2, 3], [8] * 4, seed=4)
+    assert not torch.equal(other.indices(0), full.indices(0))

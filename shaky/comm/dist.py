@@ -10,7 +10,6 @@ the simulator, and both backends agree round by round.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from datetime import timedelta
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shaky.comm.base import block_sizes
+from shaky.vectorized import tune_allocator
 
 
 class DistComm:
@@ -33,7 +33,9 @@ class DistComm:
         self._store = dist.distributed_c10d._get_default_store()
         self._fault = _injected_fault(self.rank)
         self._buffers: dict[str, torch.Tensor] = {}
-        _keep_freed_memory()
+        # Fresh large tensors cost a page fault per 4 KiB (for a 40 MB model vector, longer than the
+        # exchange itself); one process of a torchrun job owns its share of the machine, so keep freed memory.
+        tune_allocator()
 
     def _buffer(self, name: str, size: int, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -129,23 +131,6 @@ class DistComm:
                 pos += sizes[j]
             out = unpermuted
         return out[None]
-
-
-def _keep_freed_memory() -> None:
-    """Asks glibc to serve large tensors from its heap and keep freed memory for reuse.
-
-    By default every allocation over 32 MiB is a fresh mmap, and a fresh tensor costs a
-    page fault per 4 KiB: for a 40 MB model vector that took longer than the exchange
-    itself. One process of a torchrun job owns its machine share, so keeping the memory
-    is the right trade. A no-op where the C library is not glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, ctypes.c_int(1 << 30))
-    libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
 
 
 def _injected_fault(rank: int) -> tuple[str, int] | None:

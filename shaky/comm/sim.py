@@ -37,17 +37,17 @@ class SimComm:
         big = sizes.count(sizes[0])
         groups = [(0, big, sizes[0]), (big, w, sizes[-1])] if big < w else [(0, w, sizes[0])]
         up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
+        share = (up_f / up_f.sum(0)).unsqueeze(-1)          # [senders, servers, 1]: each arrival's weight
+        got = down.T.unsqueeze(-1)                          # [workers, servers, 1]: the average came back
         out = torch.empty_like(x)
         start = 0
         for first, last, size in groups:
             if size == 0:
                 continue
-            n = last - first
-            stop = start + n * size
-            blocks = x[:, start:stop].view(w, n, size)
-            arrived = up_f[:, first:last]                                   # [senders, servers]
-            avg = torch.einsum("is,isk->sk", arrived, blocks) / arrived.sum(0)[:, None]
-            got = down[first:last, :].T[:, :, None]                         # [workers, servers, 1]
-            out[:, start:stop] = torch.where(got, avg[None], blocks).reshape(w, n * size)
+            stop = start + (last - first) * size
+            blocks = x[:, start:stop].view(w, last - first, size)
+            # One pass to average (a multiply and a sum over the senders), one to write the result in place.
+            avg = (blocks * share[:, first:last]).sum(0, keepdim=True)
+            torch.where(got[:, first:last], avg, blocks, out=out[:, start:stop].view_as(blocks))
             start = stop
         return out

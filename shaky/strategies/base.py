@@ -80,8 +80,9 @@ class SGD:
         d = grads.add(params, alpha=c.weight_decay) if c.weight_decay else grads
         buf = state.momentum
         if buf is not None:
-            # torch.optim.SGD seeds the buffer with the first gradient; 0 * 0 + d is the same.
-            buf = buf.mul(c.momentum).add_(d)
+            # torch.optim.SGD seeds the buffer with the first gradient; d + m * 0 is the same.
+            # One fused pass over [w, D] (torch.optim's mul_ then add_ takes two).
+            buf = torch.add(d, buf, alpha=c.momentum)
             d = buf
         return d, buf
 
