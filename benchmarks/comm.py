@@ -3,17 +3,19 @@ against torch's PeriodicModelAverager, with 4 gloo processes on this machine.
 
     .venv/bin/python benchmarks/comm.py [--repeats 15] [--sizes 1e5 1e6 1e7]
 
-Prints the median seconds of each operation and the ratios, all measured in this run
-(the machine is noisy: compare ratios, not absolute times across runs).
+Prints the median seconds of each operation and the ratios, all measured in this run with
+the operations interleaved (the machine is noisy: compare ratios, not absolute times across runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,15 +30,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])  # the first two warm buffers and connections up
+def _times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each operation per repeat, the operations interleaved (a, b, a, b, ...) between barriers,
+    so that load from other programs hits them alike. The first two repeats warm buffers and connections."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(repeats + 2):
+        for name, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def _worker(rank: int, port: int, sizes: list[int], repeats: int, results) -> None:
@@ -55,9 +61,11 @@ def _worker(rank: int, port: int, sizes: list[int], repeats: int, results) -> No
     out = {}
     for n in sizes:
         x = torch.randn(1, n)
-        out[("rps", n)] = _median_time(lambda: comm.block_average(x, links.up, links.down), repeats)
         y = x.clone()
-        out[("all_reduce", n)] = _median_time(lambda: dist.all_reduce(y), repeats)
+        measured = _times({"rps": lambda x=x: comm.block_average(x, links.up, links.down),
+                           "all_reduce": lambda y=y: dist.all_reduce(y)}, repeats)
+        for name, t in measured.items():
+            out[(name, n)] = t
 
     # One local-SGD averaging round of a ~1M-parameter model: shaky's averager vs torch's.
     model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.ReLU(), torch.nn.Linear(1000, 10))
@@ -71,8 +79,7 @@ def _worker(rank: int, port: int, sizes: list[int], repeats: int, results) -> No
         theirs.step = 1  # PeriodicModelAverager averages when step >= warmup and step % period == 0
         theirs.average_parameters(params)
 
-    out["shaky_averager"] = _median_time(ours.step, repeats)
-    out["torch_averager"] = _median_time(torch_round, repeats)
+    out.update(_times({"shaky_averager": ours.step, "torch_averager": torch_round}, repeats))
     if rank == 0:
         results.update(out)
     dist.destroy_process_group()
@@ -89,16 +96,21 @@ def main() -> None:
         mp.start_processes(_worker, args=(_free_port(), sizes, args.repeats, results), nprocs=WORLD,
                            start_method="spawn", join=True)
         results = dict(results)
-    print(f"{WORLD} gloo processes on 127.0.0.1, torch {torch.__version__}, medians of {args.repeats} repeats\n")
-    print(f"{'float32 values':>15} | {'RPS exchange (s)':>16} | {'all_reduce (s)':>14} | RPS / all_reduce")
-    print(f"{'-' * 15}-|-{'-' * 16}-|-{'-' * 14}-|-----------------")
+    med, fastest = statistics.median, min
+    print(f"{WORLD} gloo processes on 127.0.0.1, torch {torch.__version__}, {args.repeats} repeats, interleaved; "
+          f"load average {os.getloadavg()[0]:.1f}\n")
+    print(f"{'float32 values':>15} | {'RPS exchange (s)':>16} | {'all_reduce (s)':>14} | RPS / all_reduce | "
+          f"fastest / fastest")
+    print(f"{'-' * 15}-|-{'-' * 16}-|-{'-' * 14}-|------------------|------------------")
     for n in sizes:
         rps, ar = results[("rps", n)], results[("all_reduce", n)]
-        print(f"{n:>15.0e} | {rps:>16.5f} | {ar:>14.5f} | {rps / ar:.2f}")
+        print(f"{n:>15.0e} | {med(rps):>16.5f} | {med(ar):>14.5f} | {med(rps) / med(ar):>16.2f} | "
+              f"{fastest(rps) / fastest(ar):.2f}")
     ours, theirs = results["shaky_averager"], results["torch_averager"]
-    print(f"\nlocal-SGD averaging round, 1.01M-parameter MLP: shaky ModelAverager {ours:.5f} s, "
-          f"torch PeriodicModelAverager {theirs:.5f} s, ratio {ours / theirs:.2f}")
-
+    print(f"\nlocal-SGD averaging round, 1.01M-parameter MLP: shaky ModelAverager {med(ours):.5f} s, "
+          f"torch PeriodicModelAverager {med(theirs):.5f} s, ratio {med(ours) / med(theirs):.2f} "
+          f"(fastest {fastest(ours) / fastest(theirs):.2f})")
+    print("medians in seconds; 'fastest' compares each operation's fastest repeat, what a quiet machine shows")
 
 if __name__ == "__main__":
     main()

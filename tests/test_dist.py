@@ -60,7 +60,30 @@ def _worker(rank: int, port: int, out: str) -> None:
     for case in CASES:
         train(prepare(_config(case)), Path(out) / case, comm=comm, writer=rank == 0, progress=False)
         dist.barrier()
+    _exchange_results(comm, rank, Path(out))
     dist.destroy_process_group()
+
+
+# (length, weighted, servers): equal blocks (length a multiple of 4), unequal ones, and a dead server's
+# block moved to another rank (servers differ in how much they serve).
+EXCHANGES = [(4000, False, None), (4001, True, None), (4000, False, (0, 2, 2, 3)), (7, True, (1, 1, 2, 3))]
+
+
+def _exchange_results(comm, rank: int, out: Path) -> None:
+    """Every rank's block_average of every EXCHANGES case, gathered; rank 0 saves them with their inputs."""
+    from shaky.config import NetworkConfig  # noqa: PLC0415
+    from shaky.network.model import NetworkModel  # noqa: PLC0415
+
+    saved = []
+    for i, (length, weighted, servers) in enumerate(EXCHANGES):
+        links = NetworkModel(NetworkConfig(drop_rate=0.5), WORKERS, seed=i).sample(0)
+        x = torch.randn(WORKERS, length, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+        weights = torch.tensor([1.0, 2.0, 3.0, 4.0]) if weighted else None
+        srv = torch.tensor(servers) if servers else None
+        got = comm.gather(comm.block_average(x[rank:rank + 1], links.up, links.down, weights=weights, servers=srv))
+        saved.append((x, links.up, links.down, weights, srv, got))
+    if rank == 0:
+        torch.save(saved, out / "exchanges.pt")
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +112,18 @@ def test_dist_backend_matches_the_simulator(case: str, dist_runs: Path, tmp_path
             assert _close(s[key], d[key]), (case, s["step"], key, s[key], d[key])
     dist_params = torch.load(dist_runs / case / "checkpoint.pt", weights_only=False)["params"]
     torch.testing.assert_close(dist_params, sim_params, atol=1e-5, rtol=1e-5)
+
+
+def test_block_exchange_matches_the_simulator(dist_runs: Path) -> None:
+    """DistComm.block_average (all_to_all then all-gather) against SimComm's, for equal and unequal blocks."""
+    from shaky.comm.sim import SimComm  # noqa: PLC0415
+
+    saved = torch.load(dist_runs / "exchanges.pt", weights_only=False)
+    assert len(saved) == len(EXCHANGES)
+    for x, up, down, weights, servers, got in saved:
+        assert bool((~up).any()) and bool((~down).any())  # some messages were lost
+        expected = SimComm(WORKERS).block_average(x, up, down, weights=weights, servers=servers)
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
 
 
 def test_torchrun_trains_like_the_simulator(tmp_path: Path) -> None:

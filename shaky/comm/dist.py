@@ -1,12 +1,12 @@
 """The torch.distributed backend: one worker per process, rows of shape [1, ...].
 
 This is the only module that imports torch.distributed. RPS's two phases are
-two ``all_to_all_single`` calls: block j goes to the rank that serves it, and
-the server's average comes back to every rank. Every rank holds the same global
+an ``all_to_all_single`` (block j goes to the rank that serves it) and an
+all-gather (each server's average goes to every rank): the same messages on the
+same links as the two phases of the paper. Every rank holds the same global
 delivery masks (drawn from the run seed), so the receiving side applies them:
 a block that "did not arrive" is simply left out of the average, exactly as in
-the simulator, and both backends agree round by round.
-"""
+the simulator, and both backends agree round by round."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ class DistComm:
         mine = per_rank[me]
 
         # Phase 1: every rank sends me the blocks I serve; I average those that arrived.
-        # The two staging buffers persist across calls: fresh large tensors cost a page fault
+        # The staging buffers persist across calls: fresh large tensors cost a page fault
         # per 4 KiB, which on a busy machine takes longer than the exchange itself.
         received = self._buffer("received", w * mine, row)
         dist.all_to_all_single(received, row.contiguous(), output_split_sizes=[mine] * w,
@@ -112,11 +112,19 @@ class DistComm:
             arrived = arrived * weights.to(x.dtype)
         avg = (arrived @ received.view(w, mine)) / arrived.sum()
 
-        # Phase 2: I send my averages to every rank and get every server's back, in ``order`` layout.
-        outgoing = self._buffer("outgoing", w * mine, row)
-        outgoing.view(w, mine).copy_(avg.expand(w, mine))
-        out = row.new_empty(row.numel())
-        dist.all_to_all_single(out, outgoing, output_split_sizes=per_rank, input_split_sizes=[mine] * w)
+        # Phase 2: every rank gets every server's average, in ``order`` layout. An all-gather sends my one
+        # average to all (an all_to_all would need it copied w times into a staging buffer first). Its
+        # pieces must be equal: servers of fewer values pad theirs, and the padding is squeezed out after.
+        widest = max(per_rank)
+        if widest == min(per_rank):
+            out = row.new_empty(row.numel())
+            dist.all_gather_into_tensor(out, avg)
+        else:
+            padded = self._buffer("outgoing", widest, row)
+            padded[:mine].copy_(avg)
+            gathered = self._buffer("gathered", w * widest, row)
+            dist.all_gather_into_tensor(gathered, padded)
+            out = torch.cat([gathered[r * widest:r * widest + per_rank[r]] for r in range(w)])
         # Where a server's average was lost, keep my own block (few blocks: a copy each, no full-size mask).
         pos = 0
         for j in order:
