@@ -37,8 +37,8 @@ class SimComm:
         big = sizes.count(sizes[0])
         groups = [(0, big, sizes[0]), (big, w, sizes[-1])] if big < w else [(0, w, sizes[0])]
         up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
-        share = (up_f / up_f.sum(0)).unsqueeze(-1)          # [senders, servers, 1]: each arrival's weight
-        got = down.T.unsqueeze(-1)                          # [workers, servers, 1]: the average came back
+        share = (up_f / up_f.sum(0)).T.unsqueeze(1).contiguous()  # [servers, 1, senders]: each arrival's weight
+        lost = (~down.T).nonzero()                           # (worker, server) pairs whose average was lost
         out = torch.empty_like(x)
         start = 0
         for first, last, size in groups:
@@ -46,8 +46,13 @@ class SimComm:
                 continue
             stop = start + (last - first) * size
             blocks = x[:, start:stop].view(w, last - first, size)
-            # One pass to average (a multiply and a sum over the senders), one to write the result in place.
-            avg = (blocks * share[:, first:last]).sum(0, keepdim=True)
-            torch.where(got[:, first:last], avg, blocks, out=out[:, start:stop].view_as(blocks))
+            target = out[:, start:stop].view_as(blocks)
+            # Every worker gets every server's average (one batched matrix product over the servers) ...
+            avg = torch.bmm(share[first:last], blocks.transpose(0, 1))     # [servers, 1, size]
+            target.copy_(avg.transpose(0, 1).expand_as(blocks))
+            # ... except where it was lost: there it keeps its own block (a copy of those blocks only).
+            here = lost[(lost[:, 1] >= first) & (lost[:, 1] < last)]
+            if len(here):
+                target[here[:, 0], here[:, 1] - first] = blocks[here[:, 0], here[:, 1] - first]
             start = stop
         return out
