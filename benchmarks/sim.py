@@ -21,8 +21,11 @@ d. W torch.distributed gloo processes on 127.0.0.1, one worker each (one thread
    parameters; the time of a round is measured inside the processes between
    barriers (W = 4 and 16 only).
 
-a, b and c run interleaved (a, b, c, a, b, c, ...) in one process, so load from
-other programs hits them alike; the table shows medians, and ratios of each
+a, b and c run interleaved in one process, so load from other programs hits them
+alike: in bursts of ``BURST`` rounds (a a a a, b b b b, c c c c, a ...), timing all
+but the first round of each burst, so each variant runs as a training loop does,
+with its own data in the caches (rounds over a second: one at a time, all timed).
+The table shows medians, and ratios of each
 column's fastest round ("min"), which is what a quiet machine shows. ``peak MB``
 is the growth of the peak resident set of a fresh process while it runs two
 rounds of (a): ``VmHWM`` from /proc/self/status (the peak-RSS mark, reset just
@@ -75,6 +78,8 @@ CASES: dict[str, tuple[str, tuple[int, ...], str]] = {
 GLOO_WORKERS = (4, 16)
 
 
+BURST = 4
+"""Consecutive rounds of one variant between the others' (the first of a burst is not timed)."""
 CLOCK: Callable[[], float] = time.perf_counter
 
 
@@ -166,7 +171,7 @@ def _budget(quick: bool) -> tuple[float, int, int]:
 
 def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap: bool,
                      with_loop: bool) -> dict[str, Any]:
-    """a, b, c (and a_vmap) interleaved round by round; medians and minimums in ms."""
+    """a, b, c (and a_vmap) interleaved in bursts of rounds; medians and minimums in ms."""
     s = _setup(case, workers, batch)
     runs: dict[str, Callable[[], None]] = {"a": SimRound(s, workers), "c": LimitRound(s, workers)}
     if with_loop:
@@ -175,32 +180,36 @@ def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap
         runs["a_vmap"] = SimRound(s, workers, generic=True)
     budget_s, fewest, most = _budget(quick)
     times: dict[str, list[float]] = {k: [] for k in runs}
-    t0 = time.perf_counter()
-    runs["a"]()
-    # One warm-up round where a round takes seconds, two where it is fast (allocator, oneDNN primitive cache).
-    warm = 1 if time.perf_counter() - t0 > 1.0 else 2
-    t_start = time.perf_counter()
-    for r in range(warm + most):
-        for key, fn in runs.items():
-            if r == 0 and key == "a":
-                continue
-            t0 = CLOCK()
-            fn()
-            if r >= warm:
-                times[key].append(CLOCK() - t0)
-        if r == warm - 1:
-            t_start = time.perf_counter()
-        if r >= warm + fewest - 1 and time.perf_counter() - t_start > budget_s:
-            break
-    out: dict[str, Any] = {k: _median_ms(v) for k, v in times.items()}
-    out.update({f"{k}_min": min(v) * 1e3 for k, v in times.items()})
     a = runs["a"]
     if not isinstance(a, SimRound):
         raise TypeError("runs['a'] must be a SimRound")
-    out["a_grad"] = _median_ms(a.grad_s[warm:])
-    out["a_step"] = _median_ms(a.step_s[warm:])
-    out["a_grad_min"] = min(a.grad_s[warm:]) * 1e3
-    out["a_step_min"] = min(a.step_s[warm:]) * 1e3
+    t0 = time.perf_counter()
+    a()
+    # Rounds that take seconds: one at a time (the first of each is timed too); fast ones: in bursts of
+    # BURST, timing all but the first, so that each variant runs as a training loop does, round after
+    # round with its own data in the caches, not just after another variant has evicted them.
+    slow = time.perf_counter() - t0 > 1.0
+    burst = 1 if slow else BURST
+    t_start = time.perf_counter()
+    grad_s, step_s = [], []
+    for r in range(most):
+        for key, fn in runs.items():
+            for k in range(burst):
+                t0 = CLOCK()
+                fn()
+                if burst == 1 or k > 0:
+                    times[key].append(CLOCK() - t0)
+                    if key == "a":
+                        grad_s.append(a.grad_s[-1])
+                        step_s.append(a.step_s[-1])
+        if r >= fewest - 1 and time.perf_counter() - t_start > budget_s:
+            break
+    out: dict[str, Any] = {k: _median_ms(v) for k, v in times.items()}
+    out.update({f"{k}_min": min(v) * 1e3 for k, v in times.items()})
+    out["a_grad"] = _median_ms(grad_s)
+    out["a_step"] = _median_ms(step_s)
+    out["a_grad_min"] = min(grad_s) * 1e3
+    out["a_step_min"] = min(step_s) * 1e3
     out["rounds"] = len(times["a"])
     return out
 

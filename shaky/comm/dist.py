@@ -1,9 +1,9 @@
 """The torch.distributed backend: one worker per process, rows of shape [1, ...].
 
 This is the only module that imports torch.distributed. RPS's two phases are
-an ``all_to_all_single`` (block j goes to the rank that serves it) and an
-all-gather (each server's average goes to every rank): the same messages on the
-same links as the two phases of the paper. Every rank holds the same global
+an ``all_to_all_single`` (block j goes to the rank that serves it) and
+point-to-point sends of each server's average to every rank: the messages of
+the paper's two phases, on the same links. Every rank holds the same global
 delivery masks (drawn from the run seed), so the receiving side applies them:
 a block that "did not arrive" is simply left out of the average, exactly as in
 the simulator, and both backends agree round by round."""
@@ -102,7 +102,7 @@ class DistComm:
         mine = per_rank[me]
 
         # Phase 1: every rank sends me the blocks I serve; I average those that arrived.
-        # The staging buffers persist across calls: fresh large tensors cost a page fault
+        # The staging buffer persists across calls: fresh large tensors cost a page fault
         # per 4 KiB, which on a busy machine takes longer than the exchange itself.
         received = self._buffer("received", w * mine, row)
         dist.all_to_all_single(received, row.contiguous(), output_split_sizes=[mine] * w,
@@ -110,21 +110,26 @@ class DistComm:
         arrived = up[:, me].to(x.dtype)
         if weights is not None:
             arrived = arrived * weights.to(x.dtype)
-        avg = (arrived @ received.view(w, mine)) / arrived.sum()
+        share = (arrived / arrived.sum())[None]        # [1, senders]: each arrival's weight, as in SimComm
 
-        # Phase 2: every rank gets every server's average, in ``order`` layout. An all-gather sends my one
-        # average to all (an all_to_all would need it copied w times into a staging buffer first). Its
-        # pieces must be equal: servers of fewer values pad theirs, and the padding is squeezed out after.
-        widest = max(per_rank)
-        if widest == min(per_rank):
-            out = row.new_empty(row.numel())
-            dist.all_gather_into_tensor(out, avg)
-        else:
-            padded = self._buffer("outgoing", widest, row)
-            padded[:mine].copy_(avg)
-            gathered = self._buffer("gathered", w * widest, row)
-            dist.all_gather_into_tensor(gathered, padded)
-            out = torch.cat([gathered[r * widest:r * widest + per_rank[r]] for r in range(w)])
+        # Phase 2: I send my average to every rank and get every server's back, in ``order`` layout: the
+        # average is computed straight into my piece of the result and sent from there, and every server's
+        # arrives straight into its piece, with no staging copies. (An all_to_all_single would need the
+        # average copied w times into a send buffer; gloo's all-gather allocates and page-faults a
+        # full-size buffer on every call: both took longer on the benchmark.)
+        out = row.new_empty(row.numel())
+        piece = [sum(per_rank[:r]) for r in range(w)]
+        avg = out[piece[me]:piece[me] + mine]
+        torch.mm(share, received.view(w, mine), out=avg.view(1, mine))
+        requests = []
+        for r in range(w):
+            if r != me:
+                if mine:
+                    requests.append(dist.isend(avg, r))
+                if per_rank[r]:
+                    requests.append(dist.irecv(out[piece[r]:piece[r] + per_rank[r]], r))
+        for request in requests:
+            request.wait()
         # Where a server's average was lost, keep my own block (few blocks: a copy each, no full-size mask).
         pos = 0
         for j in order:

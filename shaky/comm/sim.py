@@ -38,7 +38,7 @@ class SimComm:
         groups = [(0, big, sizes[0]), (big, w, sizes[-1])] if big < w else [(0, w, sizes[0])]
         up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
         share = (up_f / up_f.sum(0)).T.unsqueeze(1).contiguous()  # [servers, 1, senders]: each arrival's weight
-        lost = (~down.T).nonzero()                           # (worker, server) pairs whose average was lost
+        lost = ~down.T                                       # [workers, servers]: the average did not come back
         out = torch.empty_like(x)
         start = 0
         for first, last, size in groups:
@@ -51,8 +51,8 @@ class SimComm:
             avg = torch.bmm(share[first:last], blocks.transpose(0, 1))     # [servers, 1, size]
             target.copy_(avg.transpose(0, 1).expand_as(blocks))
             # ... except where it was lost: there it keeps its own block (a copy of those blocks only).
-            here = lost[(lost[:, 1] >= first) & (lost[:, 1] < last)]
-            if len(here):
-                target[here[:, 0], here[:, 1] - first] = blocks[here[:, 0], here[:, 1] - first]
+            workers, servers = lost[:, first:last].nonzero(as_tuple=True)
+            if len(workers):
+                target[workers, servers] = blocks[workers, servers]
             start = stop
         return out
