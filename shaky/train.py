@@ -33,7 +33,7 @@ from shaky.data import Dataset, assign_chunks, coverage, load_dataset, partition
 from shaky.models import FlatParams, build_model
 from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule
-from shaky.network.model import LinkSample, NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
+from shaky.network.model import MaskLog, NetworkModel, TraceNetwork, load_trace, save_trace
 from shaky.strategies import Strategy, build_strategy
 from shaky.vectorized import make_functions
 
@@ -291,10 +291,6 @@ class Counters:
     rounds_to_target: int = -1
 
 
-def _round_masks(network: NetworkModel, upto: int) -> list[LinkSample]:
-    return [network.sample(r) for r in range(upto)]
-
-
 def new_run_dir(base: str | Path) -> Path:
     """``base`` if it does not exist yet, else ``base-1``, ``base-2``, ...: never overwrites a run."""
     base = Path(base)
@@ -332,14 +328,16 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
         counters = Counters(**ckpt["counters"])
         # Exchanges still in flight at the checkpoint arrive after the resume as they would have without it.
         clock.state = ckpt.get("clock") or ClockState(counters.step, counters.sim_time_s, counters.sim_time_s)
-        masks = _round_masks(setup.network, counters.step)
+        masks = MaskLog(cfg.num_workers, cfg.steps)
+        for r in range(counters.step):
+            masks.append(setup.network.sample(r))
         if writer:
             _truncate_metrics(run_dir / METRICS_FILE, counters.step)
     else:
         params = setup.flat.flatten(setup.model)[None].repeat(len(rows), 1)
         state = strategy.init(params)
         counters = Counters()
-        masks = []
+        masks = MaskLog(cfg.num_workers, cfg.steps)
         if writer:
             run_dir.mkdir(parents=True, exist_ok=True)
             if any(run_dir.iterdir()):
@@ -379,7 +377,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
                 "wall_time_s": counters.wall_time_s + time.perf_counter() - t_start}, "config": to_dict(cfg),
                 "clock": clock.state}
         _atomic_write(run_dir / CHECKPOINT_FILE, lambda f: torch.save(blob, f), "wb")
-        save_trace(run_dir, pack_masks(masks), cfg.num_workers)
+        save_trace(run_dir, masks.packed(), cfg.num_workers)
 
     t_start = time.perf_counter()
     bar = Progress(cfg.steps, counters.step, label, progress and writer)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shaky.config import NetworkConfig
-from shaky.network.model import NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
+from shaky.network.model import MaskLog, NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
 
 
 def test_sample_is_a_pure_function_of_seed_and_round() -> None:
@@ -51,6 +51,23 @@ def test_gilbert_elliott_bursts_are_correlated_and_pure() -> None:
     assert after_loss > 2 * lost.mean()
     again = NetworkModel(cfg, 4, seed=3)
     assert torch.equal(again.sample(1234).up, net.sample(1234).up)  # out of order, same masks
+
+
+def test_mask_log_grows_past_its_capacity_and_replays(tmp_path) -> None:
+    """A run's MaskLog holds every round in bits; past its planned capacity it grows and loses nothing."""
+    net = NetworkModel(NetworkConfig(drop_rate=0.4), 5, seed=7)
+    samples = [net.sample(r) for r in range(11)]
+    log = MaskLog(5, capacity=2)
+    for s in samples:
+        log.append(s)
+    packed = log.packed()
+    assert log.rounds == 11 and packed["up"].shape == (11, 4)  # 25 bits -> 4 bytes a round
+    save_trace(tmp_path, packed, 5)
+    up, down = load_trace(str(tmp_path), 5, 11)
+    replay = TraceNetwork(NetworkConfig(), 5, 99, up, down)
+    for s in samples:
+        r = replay.sample(s.round)
+        assert torch.equal(r.up, s.up) and torch.equal(r.down, s.down)
 
 
 def test_trace_round_trip(tmp_path) -> None:
