@@ -51,8 +51,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.nn.functional as F
+# torch reads OMP_WAIT_POLICY when it loads, before shaky's own default (PASSIVE) could apply: note what
+# this process runs with. (Spawned gloo processes inherit shaky's default; they run one thread each.)
+OMP_POLICY = os.environ.get("OMP_WAIT_POLICY") or "unset (spin, then sleep)"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -443,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     print(f"shaky benchmarks/sim.py: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), "
+          f"OMP_WAIT_POLICY {OMP_POLICY}, "
           f"allocator: {allocator}, batch {args.batch} per worker, random inputs, {args.clock} clock, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     t_start = time.perf_counter()
