@@ -5,8 +5,9 @@ network, strategy) before anything is written. ``train`` then runs the loop:
 each step draws every local worker's mini-batch, computes all their gradients
 at once (one batched computation over the [w, D] parameter rows, see
 ``shaky.vectorized``), samples the network for the round, lets the strategy
-update and exchange, and advances the simulated clock. Metrics, checkpoints and the delivery trace go to the run
-directory; only the writer process (rank 0 in torch.distributed) writes.
+update and exchange, and advances the simulated clock. Metrics, checkpoints and
+the delivery trace go to the run directory; only the writer process (rank 0 in
+torch.distributed) writes.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class BatchSampler:
         for k, r in enumerate(rows):
             self._padded[k, :len(shards[r])] = shards[r]
         self._beyond = np.arange(longest)[None, :] >= self.lengths[:, None]
-        self._worker_keys = _mix(_mix(np.array([seed ^ _BATCH_STREAM], dtype=np.uint64)) + np.asarray(rows, dtype=np.uint64))
+        run_key = _mix(np.array([seed ^ _BATCH_STREAM], dtype=np.uint64))
+        self._worker_keys = _mix(run_key + np.asarray(rows, dtype=np.uint64))
         self._perm: dict[int, np.ndarray] = {}
         # Which slots of the padded [w, width] batch are real samples (workers may differ in batch size).
         self.mask = torch.from_numpy((np.arange(self.width)[None, :] < self.batch_sizes[:, None]).astype(np.float32))
