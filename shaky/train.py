@@ -57,15 +57,48 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _permuted(pos: np.ndarray, n: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """Where a keyed random permutation of ``range(n)`` sends each position (arrays of one shape).
+
+    Four rounds of bijections on the m-bit integers, 2**m the smallest power of two >= n
+    (xor with a round key, multiplication by an odd round key modulo 2**m, an xor-shift
+    by half the width), applied again to the images that land at n or beyond ("cycle
+    walking", under two rounds on average), then a keyed rotation: a bijection of
+    ``range(n)`` evaluated at just the positions a step needs, with no permutation
+    stored or sorted. Where a position lands is uniform over the keys (chi-square
+    checked for n = 2 to 1000), and so are pairs of positions for n >= 16; the
+    orders of shards of a few samples come from a smaller family, which matters
+    little since a batch then spans the whole shard.
+    """
+    n = n.astype(np.uint64)
+    bits = np.ceil(np.log2(np.maximum(n, 2).astype(np.float64))).astype(np.uint64)
+    mask = (np.uint64(1) << bits) - np.uint64(1)
+    half = (bits + np.uint64(1)) // np.uint64(2)
+    round_keys = [_mix(key + np.uint64(r)) for r in (1, 2, 3, 4)]
+    x = pos.astype(np.uint64)
+    todo = np.ones(x.shape, dtype=bool)
+    while todo.any():
+        y, m, h = x[todo], mask[todo], half[todo]
+        for k in round_keys:
+            y = (y ^ k[todo]) & m
+            y = (y * (k[todo] | np.uint64(1))) & m
+            y = y ^ (y >> h)
+        x[todo] = y
+        todo[todo] = y >= n[todo]
+    # A final keyed rotation of range(n) makes where each position lands uniform over the keys,
+    # which the rounds alone do not for small n (they draw from few bijections of few bits).
+    return ((x + _mix(key)) % n).astype(np.int64)
+
+
 class BatchSampler:
     """Mini-batch indices per worker: a pure function of (seed, worker, step).
 
-    Worker i walks through its shard in a fresh permutation each epoch, so a
-    resumed run, the simulator and every torch.distributed rank draw the same
-    batches without saving any state. The permutation of (seed, i, epoch) sorts
-    the shard by a 64-bit hash of (seed, i, epoch, position), which draws it for
-    all workers at once: a step costs a fixed number of array operations, whatever
-    the number of workers.
+    Worker i walks through its shard in a fresh random order each epoch, the order a
+    keyed permutation of (seed, i, epoch) (see ``_permuted``), so a resumed run, the
+    simulator and every torch.distributed rank draw the same batches without saving
+    any state. A step computes just the positions it needs, for all workers at once:
+    a fixed number of array operations on [w, batch] arrays, whatever the number of
+    workers or the size of their shards.
     """
 
     def __init__(self, shards: list[np.ndarray], rows: list[int], batch_sizes: tuple[int, ...] | list[int],
@@ -77,41 +110,23 @@ class BatchSampler:
         self.lengths = np.asarray([len(shards[r]) for r in rows], dtype=np.int64)
         if (self.lengths == 0).any():
             raise ValueError(f"worker {rows[int(np.argmin(self.lengths))]} has no training samples")
-        longest = int(self.lengths.max())
-        self._padded = np.zeros((len(rows), longest), dtype=np.int64)   # shard k in row k, zero-padded
+        self._padded = np.zeros((len(rows), int(self.lengths.max())), dtype=np.int64)  # shard k in row k
         for k, r in enumerate(rows):
             self._padded[k, :len(shards[r])] = shards[r]
-        self._beyond = np.arange(longest)[None, :] >= self.lengths[:, None]
         run_key = _mix(np.array([seed ^ _BATCH_STREAM], dtype=np.uint64))
         self._worker_keys = _mix(run_key + np.asarray(rows, dtype=np.uint64))
-        self._perm: dict[int, np.ndarray] = {}
         # Which slots of the padded [w, width] batch are real samples (workers may differ in batch size).
         self.mask = torch.from_numpy((np.arange(self.width)[None, :] < self.batch_sizes[:, None]).astype(np.float32))
-
-    def _permutations(self, epoch: int) -> np.ndarray:
-        """int64 [w, longest shard]: every local worker's shard in its order of ``epoch`` (then padding)."""
-        perm = self._perm.get(epoch)
-        if perm is None:
-            if len(self._perm) >= 8:
-                self._perm.clear()
-            keys = _mix(_mix(self._worker_keys + np.uint64(epoch))[:, None] + np.arange(self._padded.shape[1],
-                                                                                         dtype=np.uint64))
-            keys[self._beyond] = np.iinfo(np.uint64).max   # padding sorts last
-            order = np.argsort(keys, axis=1, kind="stable")
-            perm = self._perm[epoch] = np.take_along_axis(self._padded, order, axis=1)
-        return perm
 
     def indices(self, step: int) -> torch.Tensor:
         """int64 [w, width]: each local worker's samples at ``step``, padded (see ``mask``) to the widest batch."""
         slots = np.arange(self.width)[None, :]
         real = slots < self.batch_sizes[:, None]
-        pos = step * self.batch_sizes[:, None] + slots
-        epochs, offsets = np.divmod(pos, self.lengths[:, None])
-        needed = np.unique(epochs[real])
-        stacked = np.stack([self._permutations(int(e)) for e in needed])       # [epochs, w, longest]
-        which = np.searchsorted(needed, epochs).clip(max=len(needed) - 1)
-        out = stacked[which, np.arange(len(self.rows))[:, None], offsets]
-        return torch.from_numpy(np.where(real, out, 0))
+        epochs, offsets = np.divmod(step * self.batch_sizes[:, None] + slots, self.lengths[:, None])
+        keys = _mix(self._worker_keys[:, None] + epochs.astype(np.uint64))
+        lengths = np.broadcast_to(self.lengths[:, None], offsets.shape)
+        picked = self._padded[np.arange(len(self.rows))[:, None], _permuted(offsets, lengths, keys)]
+        return torch.from_numpy(np.where(real, picked, 0))
 
 
 @dataclass

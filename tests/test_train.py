@@ -110,3 +110,20 @@ def test_batch_sampler_rows_agree_with_the_full_sampler() -> None:
             assert torch.equal(mine.indices(step)[0], full.indices(step)[r])
     other = BatchSampler(shards, [0, 1, 2, 3], [8] * 4, seed=4)
     assert not torch.equal(other.indices(0), full.indices(0))
+
+
+def test_keyed_permutation_is_a_bijection_and_uniform() -> None:
+    """The sampler's order of an epoch: a permutation of range(n) for every key, each position landing
+    uniformly over keys (chi-square over 20 000 keys, a 1e-5 tail bound)."""
+    from shaky.train import _mix, _permuted  # noqa: PLC0415
+
+    keys = _mix(np.arange(20_000, dtype=np.uint64) + np.uint64(7))
+    for n in (1, 2, 3, 7, 22, 64, 300):
+        for k in keys[:10]:
+            image = _permuted(np.arange(n), np.full(n, n), np.full(n, k))
+            assert sorted(image.tolist()) == list(range(n))
+    for n, bound in ((5, 25.0), (22, 60.0), (100, 170.0)):
+        first = _permuted(np.full(len(keys), 3), np.full(len(keys), n), keys)
+        counts = np.bincount(first, minlength=n)
+        expected = len(keys) / n
+        assert ((counts - expected) ** 2 / expected).sum() < bound
