@@ -66,9 +66,9 @@ def _permuted(pos: np.ndarray, n: np.ndarray, key: np.ndarray) -> np.ndarray:
     walking", under two rounds on average), then a keyed rotation: a bijection of
     ``range(n)`` evaluated at just the positions a step needs, with no permutation
     stored or sorted. Where a position lands is uniform over the keys (chi-square
-    checked for n = 2 to 1000), and so are pairs of positions for n >= 16; the
-    orders of shards of a few samples come from a smaller family, which matters
-    little since a batch then spans the whole shard.
+    checked for n = 2 to 1000), and so are pairs of positions where checked
+    (n = 22); the orders of shards of a few samples come from a smaller family,
+    which matters little since a batch then spans the whole shard.
     """
     n = n.astype(np.uint64)
     bits = np.ceil(np.log2(np.maximum(n, 2).astype(np.float64))).astype(np.uint64)
@@ -87,7 +87,7 @@ def _permuted(pos: np.ndarray, n: np.ndarray, key: np.ndarray) -> np.ndarray:
         todo[todo] = y >= n[todo]
     # A final keyed rotation of range(n) makes where each position lands uniform over the keys,
     # which the rounds alone do not for small n (they draw from few bijections of few bits).
-    return ((x + _mix(key)) % n).astype(np.int64)
+    return ((x + _mix(key) % n) % n).astype(np.int64)
 
 
 class BatchSampler:
