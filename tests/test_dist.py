@@ -115,7 +115,8 @@ def test_dist_backend_matches_the_simulator(case: str, dist_runs: Path, tmp_path
 
 
 def test_block_exchange_matches_the_simulator(dist_runs: Path) -> None:
-    """DistComm.block_average (all_to_all then all-gather) against SimComm's, for equal and unequal blocks."""
+    """DistComm.block_average (all_to_all, then point-to-point sends) against SimComm's: equal and unequal blocks,
+    weights, and servers that serve more than one block."""
     from shaky.comm.sim import SimComm  # noqa: PLC0415
 
     saved = torch.load(dist_runs / "exchanges.pt", weights_only=False)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from shaky.train import CHECKPOINT_FILE, SHARDS_FILE, BatchSampler, InterruptedRun, prepare, read_metrics, train
+from shaky.train import (CHECKPOINT_FILE, SHARDS_FILE, BatchSampler, InterruptedRun, _mix, _permuted, prepare,
+                         read_metrics, train)
 
 from conftest import make_config, run, without_wall_time
 
@@ -115,8 +116,6 @@ def test_batch_sampler_rows_agree_with_the_full_sampler() -> None:
 def test_keyed_permutation_is_a_bijection_and_uniform() -> None:
     """The sampler's order of an epoch: a permutation of range(n) for every key, each position landing
     uniformly over keys (chi-square over 20 000 keys, a 1e-5 tail bound)."""
-    from shaky.train import _mix, _permuted  # noqa: PLC0415
-
     keys = _mix(np.arange(20_000, dtype=np.uint64) + np.uint64(7))
     for n in (1, 2, 3, 7, 22, 64, 300):
         for k in keys[:10]:
