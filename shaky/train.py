@@ -372,7 +372,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
                 f.write(json.dumps(row) + "\n")
         bar.report(row)
 
-    def metrics_row(grads: torch.Tensor | None, live_weights: torch.Tensor | None) -> dict[str, Any]:
+    def metrics_row(diversity: float | None, live_weights: torch.Tensor | None) -> dict[str, Any]:
         c = counters
         train_loss = c.train_loss_sum / c.train_loss_count if c.train_loss_count else None
         live = failures.live(max(c.step - 1, 0))
@@ -381,7 +381,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
                 "comm_rounds": c.comm_rounds, "live_workers": int(live.sum()),
                 "coverage": 1.0 if held is None else
                 len(set().union(*(h for h, alive in zip(held, live.tolist()) if alive))) / len(y_train),
-                "gradient_diversity": None if grads is None else gradient_diversity(grads, comm, live_weights),
+                "gradient_diversity": diversity,
                 "train_loss": train_loss, **evaluate(setup, params, comm, live_weights),
                 "lr": strategy.sgd.lr(max(c.step - 1, 0)) if hasattr(strategy, "sgd") else None,
                 "wall_time_s": c.wall_time_s + time.perf_counter() - t_start}
@@ -414,13 +414,16 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
         raw_links = setup.network.sample(step)
         masks.append(raw_links)
         links = failures.apply(raw_links)
+        evaluating = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
+        live_weights = None if links.live is None else links.live.to(params.dtype)
+        # Read the gradients before the step: the step may reuse their buffer (see Strategy).
+        diversity = gradient_diversity(grads, comm, live_weights) if evaluating else None
         new_params, new_state, stats = strategy.step(params, grads, state, comm, links)
         if links.live is not None:  # a failed worker neither computes nor changes
             live_rows = links.live[rows]
             new_params = torch.where(live_rows[:, None], new_params, params)
             new_state = _keep_dead_rows(new_state, state, live_rows)
         params, state = new_params, new_state
-        live_weights = None if links.live is None else links.live.to(params.dtype)
 
         counters.step = step + 1
         counters.sim_time_s = clock.advance(stats.phases, stats.delay)
@@ -432,8 +435,8 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
         counters.train_loss_count += 1
         bar.advance()
 
-        if counters.step % cfg.eval_every == 0 or counters.step == cfg.steps:
-            last = metrics_row(grads, live_weights)
+        if evaluating:
+            last = metrics_row(diversity, live_weights)
             log(last)
             counters.train_loss_sum, counters.train_loss_count = 0.0, 0
             if cfg.target_accuracy and counters.rounds_to_target < 0 and \

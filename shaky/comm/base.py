@@ -42,7 +42,8 @@ class Comm(Protocol):
         ...
 
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
-                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
+                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
+                      overwrite: bool = False) -> torch.Tensor:
         """The two-phase exchange of RPS (Yu et al. 2019) over a lossy network.
 
         x [w, D] is cut into W blocks; block j is served by worker ``servers[j]``
@@ -50,5 +51,8 @@ class Comm(Protocol):
         whose message arrived (``up[i, server]``; its own always does), weighted by
         ``weights`` if given. Phase 2: worker i takes that average where
         ``down[server, i]``, and keeps its own block j otherwise.
+
+        ``overwrite``: the caller gives ``x`` up, so the result may be written into
+        its storage (and ``x`` returned) instead of a new tensor.
         """
         ...

@@ -88,7 +88,10 @@ class DistComm:
         return torch.cat(parts)
 
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
-                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
+                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
+                      overwrite: bool = False) -> torch.Tensor:
+        # ``overwrite`` is allowed, not required: the result here is always a fresh tensor (phase 2
+        # receives into it while ``x`` still supplies the blocks whose average was lost).
         w, me = self.num_workers, self.rank
         row = x[0]
         sizes = block_sizes(row.numel(), w)

@@ -27,7 +27,8 @@ class SimComm:
         """Nothing to report: every worker lives in this process."""
 
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
-                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None) -> torch.Tensor:
+                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
+                      overwrite: bool = False) -> torch.Tensor:
         if servers is not None:  # block j travels on the links of the worker that serves it
             up, down = up[:, servers], down[servers, :]
         w, dim = x.shape
@@ -39,7 +40,7 @@ class SimComm:
         up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
         share = (up_f / up_f.sum(0)).T.unsqueeze(1).contiguous()  # [servers, 1, senders]: each arrival's weight
         lost = ~down.T                                       # [workers, servers]: the average did not come back
-        out = torch.empty_like(x)
+        out = x if overwrite and x.is_contiguous() else torch.empty_like(x)
         start = 0
         for first, last, size in groups:
             if size == 0:
@@ -49,10 +50,12 @@ class SimComm:
             target = out[:, start:stop].view_as(blocks)
             # Every worker gets every server's average (one batched matrix product over the servers) ...
             avg = torch.bmm(share[first:last], blocks.transpose(0, 1))     # [servers, 1, size]
-            target.copy_(avg.transpose(0, 1).expand_as(blocks))
-            # ... except where it was lost: there it keeps its own block (a copy of those blocks only).
+            # ... except where it was lost: there it keeps its own block (a copy of those blocks only,
+            # taken before the averages are written, since ``target`` may be ``blocks`` itself).
             workers, servers = lost[:, first:last].nonzero(as_tuple=True)
-            if len(workers):
-                target[workers, servers] = blocks[workers, servers]
+            kept = blocks[workers, servers] if len(workers) else None
+            target.copy_(avg.transpose(0, 1).expand_as(blocks))
+            if kept is not None:
+                target[workers, servers] = kept
             start = stop
         return out

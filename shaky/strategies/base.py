@@ -42,7 +42,14 @@ class StepStats:
 
 
 class Strategy(Protocol[S]):
-    """A distributed algorithm as a pair of pure functions over [w, D] tensors."""
+    """A distributed algorithm as a pair of functions over [w, D] tensors.
+
+    ``step`` never modifies ``params`` or the tensors of ``state``; ``grads`` is
+    the step's to consume: it may overwrite it (and return its storage as the new
+    parameters), so the caller must not read ``grads`` after the call. Reusing
+    that buffer saves a full-size allocation and a pass over memory every step,
+    which is most of what a memory-bound round costs (``docs/performance.md``).
+    """
 
     name: str
 
@@ -86,14 +93,29 @@ class SGD:
             d = buf
         return d, buf
 
-    def update(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState) -> tuple[torch.Tensor, SGDState]:
+    def update(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState, *,
+               overwrite_grads: bool = False) -> tuple[torch.Tensor, SGDState]:
+        """``params - lr * direction`` and the new state.
+
+        With ``overwrite_grads`` the result is written into ``grads``'s storage (when it
+        has ``params``'s shape, dtype and a dense layout) instead of a new tensor.
+        """
         d, buf = self._direction(params, grads, state)
-        return params.add(d, alpha=-self.lr(state.count)), SGDState(state.count + 1, buf)
+        lr = self.lr(state.count)
+        if overwrite_grads and _same_dense_layout(grads, params):
+            return torch.add(params, d, alpha=-lr, out=grads), SGDState(state.count + 1, buf)
+        return params.add(d, alpha=-lr), SGDState(state.count + 1, buf)
 
     def delta(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState) -> tuple[torch.Tensor, SGDState]:
         """The change ``update`` would make to ``params`` (-lr * direction), for strategies that exchange updates."""
         d, buf = self._direction(params, grads, state)
         return d.mul(-self.lr(state.count)), SGDState(state.count + 1, buf)
+
+
+def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` can take ``b``'s values in place: same shape and dtype, contiguous, not a broadcast view."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.is_contiguous() \
+        and not a.requires_grad
 
 
 class SGDStrategy:
@@ -123,9 +145,14 @@ class SGDStrategy:
         """The exact (weighted) average over live workers: a ring all-reduce over a transport that resends."""
         return comm.mean(x, self.weights(links)), StepStats(ring_allreduce_traffic(x, comm.num_workers, links))
 
-    def lossy_average(self, x: torch.Tensor, comm: Comm, links: LinkSample) -> tuple[torch.Tensor, StepStats]:
-        """RPS's two-phase block average over the lossy network, with failed servers' blocks moved on."""
-        out = comm.block_average(x, links.up, links.down, weights=self.weights(links), servers=links.servers)
+    def lossy_average(self, x: torch.Tensor, comm: Comm, links: LinkSample, *,
+                      overwrite: bool = False) -> tuple[torch.Tensor, StepStats]:
+        """RPS's two-phase block average over the lossy network, with failed servers' blocks moved on.
+
+        ``overwrite``: ``x`` is the caller's to give up; the average may be computed in its storage.
+        """
+        out = comm.block_average(x, links.up, links.down, weights=self.weights(links), servers=links.servers,
+                                 overwrite=overwrite)
         return out, StepStats(block_exchange_traffic(x, comm.num_workers, links, reliable=False))
 
 

@@ -30,10 +30,12 @@ class LocalSGD(SGDStrategy):
 
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState, comm: Comm,
              links: LinkSample) -> tuple[torch.Tensor, SGDState, StepStats]:
-        local, state = self.sgd.update(params, grads, state)
+        # The new local models go into the gradient buffer (the step owns it), and are averaged in place:
+        # no full-size tensor is allocated in the step (see Strategy).
+        local, state = self.sgd.update(params, grads, state, overwrite_grads=True)
         if state.count % self.period:
             return local, state, StepStats()
-        averaged, stats = self.lossy_average(local, comm, links)
+        averaged, stats = self.lossy_average(local, comm, links, overwrite=True)
         return averaged, state, stats
 
 
