@@ -109,3 +109,59 @@ def test_server_average_is_unbiased_over_drop_draws() -> None:
     expected = torch.stack([a * vals[j] + (1 - a) * (vals.sum() - vals[j]) / (w - 1) for j in range(w)])
     # Standard error per server is about 0.02 here.
     torch.testing.assert_close(total / rounds, expected, atol=0.06, rtol=0)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, tuple):
+        return [t for item in tree for t in _tensors(item)]
+    return []
+
+
+@pytest.mark.parametrize("name,extra", [("rps", {}), ("local-sgd", {"period": 2}), ("ri-sgd", {}),
+                                        ("allreduce", {}), ("lossy-allreduce", {}), ("dts", {"delay": 2})])
+def test_step_leaves_params_and_state_alone_and_may_only_reuse_grads(name: str, extra: dict) -> None:
+    """Strategy's contract: step never writes params or state; the result equals a step on a private
+    copy of the gradients, whatever the step did to the gradient buffer it was given."""
+    from shaky.config import OptimConfig, StrategyConfig
+    from shaky.strategies import SGD, _STRATEGIES
+
+    w, dim = 4, 23                                      # 23 values in 4 blocks: uneven block sizes
+    gen = torch.Generator().manual_seed(1)
+    strategy = _STRATEGIES[name](SGD(OptimConfig(lr=0.1, momentum=0.9)), StrategyConfig(name=name, **extra))
+    network = NetworkModel(NetworkConfig(drop_rate=0.3), w, seed=3)
+    params = torch.randn(w, dim, generator=gen, dtype=torch.float64)
+    state = strategy.init(params)
+    for step in range(4):
+        links = network.sample(step)
+        grads = torch.randn(w, dim, generator=gen, dtype=torch.float64)
+        params_before, state_before = params.clone(), [t.clone() for t in _tensors(state)]
+        new, new_state, _ = strategy.step(params, grads.clone(), state, SimComm(w), links)
+        assert torch.equal(params, params_before)
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(state), state_before))
+        # The same step on a column-major copy of the gradients (which no step can write its result into)
+        # gives the same numbers: writing into the gradient buffer changes nothing but where the result lives.
+        column_major = grads.t().contiguous().t()
+        again, again_state, _ = strategy.step(params_before, column_major, state, SimComm(w), links)
+        assert torch.equal(new, again)
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(new_state), _tensors(again_state)))
+        assert torch.equal(column_major, grads)
+        params, state = new, new_state
+
+
+def test_block_average_in_place_matches_a_fresh_result() -> None:
+    w, dim = 5, 37
+    gen = torch.Generator().manual_seed(2)
+    network = NetworkModel(NetworkConfig(drop_rate=0.4), w, seed=5)
+    for step in range(6):
+        links = network.sample(step)
+        x = torch.randn(w, dim, generator=gen)
+        weights = torch.rand(w, generator=gen, dtype=torch.float64) + 0.5
+        servers = torch.randperm(w, generator=gen) if step % 2 else None
+        fresh = SimComm(w).block_average(x, links.up, links.down, weights=weights, servers=servers)
+        buffer = x.clone()
+        result = SimComm(w).block_average(buffer, links.up, links.down, weights=weights, servers=servers,
+                                          overwrite=True)
+        assert result.data_ptr() == buffer.data_ptr()      # written in place
+        assert torch.equal(result, fresh)
