@@ -8,11 +8,14 @@
 One round is every worker's forward, backward and SGD update on its own batch of
 ``--batch`` samples, plus the averaging of the models:
 
-a. shaky's simulator: ``shaky.vectorized.make_functions``'s grad_fn over the
-   ``[W, D]`` parameters, then one RPS step (``shaky.strategies.RPS``: shaky's SGD
-   update and ``SimComm.block_average`` over masks drawn by ``NetworkModel`` at
-   drop rate 0.1). ``a_grad`` and ``a_step`` are those two parts alone,
-   ``a_vmap`` is the same round with the generic ``vmap(grad_and_value)`` path.
+a. shaky's simulator: ``shaky.train.train_step``, the step ``shaky train`` runs:
+   ``shaky.vectorized.make_functions``'s gradients over the ``[W, D]`` parameters
+   and one RPS step (``shaky.strategies.RPS``: shaky's SGD update and
+   ``SimComm.block_average`` over masks drawn by ``NetworkModel`` at drop rate
+   0.1); for the MLP the SGD update runs inside the backward pass
+   (``shaky.vectorized.fused_update``). ``a_grad`` is the gradient part (with that
+   fused update), ``a_step`` the rest; ``a_vmap`` is the same round with the
+   generic ``vmap(grad_and_value)`` path.
 b. a naive loop: W ``nn.Module`` copies, each with its own ``torch.optim.SGD``,
    stepped one after another, then every parameter averaged across the copies.
 c. the limit: one model at batch ``W * B``, forward, backward and an SGD step.
@@ -67,6 +70,7 @@ from shaky.config import NetworkConfig, OptimConfig, StrategyConfig  # noqa: E40
 from shaky.models import FlatParams, build_model  # noqa: E402
 from shaky.network.model import NetworkModel  # noqa: E402
 from shaky.strategies import RPS, SGD  # noqa: E402
+from shaky.train import train_step  # noqa: E402
 from shaky.vectorized import fast_path, generic_functions, make_functions, tune_allocator  # noqa: E402
 
 NUM_CLASSES = 10
@@ -103,7 +107,7 @@ def _setup(case: str, workers: int, batch: int, seed: int = 0) -> dict[str, Any]
 
 
 class SimRound:
-    """(a): the simulator's round, grad_fn + RPS step, exactly the calls train.py makes."""
+    """(a): the simulator's round, ``shaky.train.train_step`` with RPS, exactly what train.py runs."""
 
     def __init__(self, s: dict[str, Any], workers: int, generic: bool = False, compile: bool = False) -> None:
         model, flat = s["model"], s["flat"]
@@ -126,17 +130,16 @@ class SimRound:
         return torch.profiler.record_function(name) if self.labelled else contextlib.nullcontext()
 
     def __call__(self) -> None:
-        t0 = CLOCK()
-        with self._label("a: grad_fn"):
-            grads, losses = self.grad_fn(self.params, self.x, self.y, self.mask)
-        t1 = CLOCK()
+        # train.py's step function, so (a) is what `shaky train` runs (for the MLP: the optimizer inside the
+        # backward pass, then the average in place); marks split it into the gradient part and the rest.
+        marks = [CLOCK()]
         links = self.links[self.round % len(self.links)]
-        with self._label("a: RPS step (SGD + block_average)"):
-            self.params, self.state, _ = self.strategy.step(self.params, grads, self.state, self.comm, links)
-        t2 = CLOCK()
+        with self._label("a: train_step"):
+            self.params, self.state, _, _, _ = train_step(self.grad_fn, self.strategy, self.params, self.state,
+                                                          self.x, self.y, self.mask, self.comm, links, marks=marks)
         self.round += 1
-        self.grad_s.append(t1 - t0)
-        self.step_s.append(t2 - t1)
+        self.grad_s.append(marks[1] - marks[0])
+        self.step_s.append(marks[2] - marks[1])
 
 
 class LoopRound:

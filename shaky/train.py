@@ -34,9 +34,10 @@ from shaky.data import Dataset, assign_chunks, coverage, load_dataset, partition
 from shaky.models import FlatParams, build_model
 from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule
-from shaky.network.model import MaskLog, NetworkModel, TraceNetwork, load_trace, save_trace
+from shaky.network.model import LinkSample, MaskLog, NetworkModel, TraceNetwork, load_trace, save_trace
 from shaky.strategies import Strategy, build_strategy
-from shaky.vectorized import make_functions
+from shaky.strategies.base import StepStats
+from shaky.vectorized import fused_update, make_functions
 
 CONFIG_FILE = "config.toml"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -196,6 +197,57 @@ def prepare(cfg: RunConfig) -> Setup:
     if setup.compute_ms < 0:
         setup.compute_ms = _measure_compute_ms(setup, flat.flatten(model)[None])
     return setup
+
+
+def train_step(grad_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], strategy: Strategy[Any],
+               params: torch.Tensor, state: Any, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+               comm: Comm, links: LinkSample, *, need_grads: bool = False,
+               marks: list[float] | None = None) -> tuple[torch.Tensor, Any, StepStats, torch.Tensor,
+                                                          torch.Tensor | None]:
+    """One step of every worker: gradients on the batch ``x, y, mask``, then ``strategy``'s update.
+
+    Where the model has a fused backward pass (``shaky.vectorized.fused_update``)
+    and the strategy a local update that can run inside it (the model-averaging
+    strategies), the local SGD update is applied to ``params`` in place, parameter
+    by parameter, as the backward pass produces the gradients, and the average
+    follows in place: no ``[W, D]`` gradient is assembled (at W = 64 that saved
+    a sixth of the MLP's round, see docs/performance.md). The numbers are
+    identical either way (tests/test_train.py). The fused path is skipped when
+    the caller needs the gradients (``need_grads``: the gradient-diversity
+    metric) and when a worker is down this step (a dead worker's row must not
+    change, which the functional path handles).
+
+    ``params`` is consumed: the caller must use the returned tensor and not read
+    ``params`` afterwards (it may have been updated in place). ``marks``, if
+    given, gets the time after the gradients (and fused update) and after the
+    rest of the step appended (the benchmark's split of a round).
+
+    Returns ``(params, state, stats, losses, grads)``; ``grads`` is None on the fused path.
+    """
+    fused = fused_update(grad_fn)
+    local_update = getattr(strategy, "local_update", None)
+    if fused is not None and local_update is not None and not need_grads and links.live is None:
+        update, state = local_update(params, state)
+        losses = fused(params, x, y, mask, update)
+        if marks is not None:
+            marks.append(time.perf_counter())
+        params, state, stats = strategy.after_local_update(params, state, comm, links)  # type: ignore[attr-defined]
+        if marks is not None:
+            marks.append(time.perf_counter())
+        return params, state, stats, losses, None
+    grads, losses = grad_fn(params, x, y, mask)
+    if marks is not None:
+        marks.append(time.perf_counter())
+    # Read what the caller needs from the gradients before the step: it may reuse their buffer (see Strategy).
+    kept = grads.clone() if need_grads else None
+    new_params, new_state, stats = strategy.step(params, grads, state, comm, links)
+    if links.live is not None:  # a failed worker neither computes nor changes
+        live_rows = links.live[comm.rows]
+        new_params = torch.where(live_rows[:, None], new_params, params)
+        new_state = _keep_dead_rows(new_state, state, live_rows)
+    if marks is not None:
+        marks.append(time.perf_counter())
+    return new_params, new_state, stats, losses, kept
 
 
 def gradient_diversity(grads: torch.Tensor, comm: Comm, weights: torch.Tensor | None) -> float:
@@ -410,20 +462,15 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
             synced = comm.mean(params, failures.live(step - 1).to(params.dtype))
             params = torch.where(rejoined[rows][:, None], synced, params)
         idx = sampler.indices(step)
-        grads, losses = setup.grad_fn(params, x_train[idx], y_train[idx], batch_mask)
         raw_links = setup.network.sample(step)
         masks.append(raw_links)
         links = failures.apply(raw_links)
         evaluating = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
         live_weights = None if links.live is None else links.live.to(params.dtype)
-        # Read the gradients before the step: the step may reuse their buffer (see Strategy).
-        diversity = gradient_diversity(grads, comm, live_weights) if evaluating else None
-        new_params, new_state, stats = strategy.step(params, grads, state, comm, links)
-        if links.live is not None:  # a failed worker neither computes nor changes
-            live_rows = links.live[rows]
-            new_params = torch.where(live_rows[:, None], new_params, params)
-            new_state = _keep_dead_rows(new_state, state, live_rows)
-        params, state = new_params, new_state
+        params, state, stats, losses, grads = train_step(setup.grad_fn, strategy, params, state, x_train[idx],
+                                                         y_train[idx], batch_mask, comm, links,
+                                                         need_grads=evaluating)
+        diversity = gradient_diversity(grads, comm, live_weights) if grads is not None else None
 
         counters.step = step + 1
         counters.sim_time_s = clock.advance(stats.phases, stats.delay)

@@ -47,8 +47,13 @@ padding slots, ``mask`` 0, weigh nothing): ``sum_b ce[i, b] * mask[i, b] / sum_b
 """
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``forward_fn(row [D], x [N, ...]) -> logits [N, C]``; vmappable over ``row``."""
+InPlaceUpdate = Callable[[slice, torch.Tensor], None]
+"""``update(columns, grad [W, n])``: apply an optimizer step to ``params[:, columns]`` in place."""
+FusedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, InPlaceUpdate], torch.Tensor]
+"""``fused(params [W, D], x, y, mask, update) -> losses [W]``: the backward pass calls ``update`` per parameter."""
 
-__all__ = ["ForwardFn", "GradFn", "fast_path", "generic_functions", "make_functions", "tune_allocator"]
+__all__ = ["ForwardFn", "FusedFn", "GradFn", "InPlaceUpdate", "fast_path", "fused_update", "generic_functions",
+           "make_functions", "tune_allocator"]
 
 
 def generic_functions(model: nn.Module, flat: FlatParams) -> tuple[GradFn, ForwardFn]:
@@ -90,6 +95,19 @@ def make_functions(model: nn.Module, flat: FlatParams, *, compile: bool = False)
     if compile:
         grad_fn = torch.compile(grad_fn, dynamic=False)
     return grad_fn, forward_fn
+
+
+def fused_update(grad_fn: GradFn) -> FusedFn | None:
+    """The optimizer-in-backward form of ``grad_fn`` if it has one (the linear path), else None.
+
+    For a model whose ``[W, D]`` state is large against its compute (the MLP at
+    W = 64: 6.7 MB a tensor), assembling the gradients into ``[W, D]`` and then
+    reading them again for the update is a large part of a round. The fused form
+    hands each parameter's gradient to the optimizer as soon as it is computed,
+    while it is still in cache, and the update goes straight into the parameters
+    (see ``shaky.train.train_step``, the only caller).
+    """
+    return getattr(grad_fn, "update_in_place", None)
 
 
 def fast_path(model: nn.Module) -> str | None:
@@ -200,6 +218,43 @@ class _LinearChainGrad:
 
     def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = params.shape[0]
+        pieces: list[torch.Tensor | None] = [None] * len(self.flat.names)
+
+        def keep(index: int, piece: torch.Tensor) -> None:
+            pieces[index] = piece
+
+        losses = self._backward(params, x, y, mask, keep)
+        # One cat writes every gradient into its slice of the [W, D] result.
+        grads = torch.cat([params.new_zeros(w, n) if g is None else g
+                           for g, n in zip(pieces, self.flat.numels)], dim=1)
+        return grads, losses
+
+    def update_in_place(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+                        update: InPlaceUpdate) -> torch.Tensor:
+        """The backward pass with the optimizer in it: ``update(columns, grad)`` is called once per parameter,
+        as soon as its gradient ``[W, n]`` is known and no longer needed by the backward pass, and changes
+        ``params[:, columns]`` in place. No ``[W, D]`` gradient is ever assembled. Returns the losses [W].
+        """
+        offsets = [0]
+        for n in self.flat.numels:
+            offsets.append(offsets[-1] + n)
+        done = [False] * len(self.flat.names)
+
+        def apply(index: int, piece: torch.Tensor) -> None:
+            done[index] = True
+            update(slice(offsets[index], offsets[index + 1]), piece)
+
+        losses = self._backward(params, x, y, mask, apply)
+        for index, finished in enumerate(done):  # parameters outside the chain get a zero gradient
+            if not finished:
+                apply(index, params.new_zeros(params.shape[0], self.flat.numels[index]))
+        return losses
+
+    def _backward(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+                  sink: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+        """Forward and backward; hands each parameter's gradient ``[W, n]`` to ``sink(index, gradient)`` once
+        the backward pass has no further use for that parameter's values."""
         with torch.no_grad():
             params = params.detach()
             p = _row_views(params, self.flat)
@@ -212,7 +267,6 @@ class _LinearChainGrad:
                 acts.append(h)
             losses, dz = _loss_and_dlogits(h, y, mask)
             w = params.shape[0]
-            pieces: list[torch.Tensor | None] = [None] * len(self.flat.names)
             for i in range(len(self.layers) - 1, -1, -1):
                 layer = self.layers[i]
                 if i < len(self.layers) - 1 and layer.relu:
@@ -220,15 +274,14 @@ class _LinearChainGrad:
                     dz = torch.ops.aten.threshold_backward(dz, acts[i + 1], 0)
                 # Into a fresh contiguous tensor, not straight into a [W, D] view: CPU bmm takes its batched
                 # gemm path only for a contiguous result and falls back to one gemm per worker otherwise.
-                pieces[layer.weight] = torch.bmm(dz.transpose(1, 2), acts[i]).reshape(w, -1)
-                if layer.bias is not None:
-                    pieces[layer.bias] = dz.sum(dim=1)
+                weight_grad = torch.bmm(dz.transpose(1, 2), acts[i]).reshape(w, -1)
+                bias_grad = None if layer.bias is None else dz.sum(dim=1)
                 if i:
-                    dz = torch.bmm(dz, p[layer.weight])
-            # One cat writes every gradient into its slice of the [W, D] result.
-            grads = torch.cat([params.new_zeros(w, n) if g is None else g
-                               for g, n in zip(pieces, self.flat.numels)], dim=1)
-            return grads, losses
+                    dz = torch.bmm(dz, p[layer.weight])      # the last use of this layer's parameters
+                sink(layer.weight, weight_grad)
+                if layer.bias is not None and bias_grad is not None:
+                    sink(layer.bias, bias_grad)
+            return losses
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shaky.train import (CHECKPOINT_FILE, SHARDS_FILE, BatchSampler, InterruptedRun, _mix, _permuted, prepare,
-                         read_metrics, train)
+                         read_metrics, train, train_step)
 
 from conftest import make_config, run, without_wall_time
 
@@ -126,3 +126,44 @@ def test_keyed_permutation_is_a_bijection_and_uniform() -> None:
         counts = np.bincount(first, minlength=n)
         expected = len(keys) / n
         assert ((counts - expected) ** 2 / expected).sum() < bound
+
+
+@pytest.mark.parametrize("model,optim,strategy", [
+    ("mlp", {"momentum": 0.9, "weight_decay": 1e-3}, {"name": "rps"}),
+    ("mlp", {}, {"name": "local-sgd", "period": 3}),
+    ("logreg", {"momentum": 0.5}, {"name": "ri-sgd", "redundancy": 2}),
+])
+def test_fused_step_equals_the_functional_step_bit_for_bit(model: str, optim: dict, strategy: dict) -> None:
+    """train_step's optimizer-in-backward path (taken for linear models under model averaging) gives exactly
+    the parameters, momentum and losses of grad_fn + strategy.step, step after step, drops included."""
+    from shaky.comm.sim import SimComm
+    from shaky.vectorized import fused_update
+
+    cfg = make_config(model={"name": model}, optim={"lr": 0.1, **optim}, strategy=strategy,
+                      network={"drop_rate": 0.3})
+    setup = prepare(cfg)
+    assert fused_update(setup.grad_fn) is not None
+    comm = SimComm(cfg.num_workers)
+    sampler = BatchSampler(setup.shards, list(range(cfg.num_workers)), cfg.worker_batch_sizes(), cfg.seed)
+    mask = torch.ones(cfg.num_workers, cfg.batch_size)
+    start = setup.flat.flatten(setup.model)[None].repeat(cfg.num_workers, 1)
+    runs = {}
+    for need_grads in (False, True):
+        params, state, losses_seen = start.clone(), setup.strategy.init(start), []
+        for step in range(7):
+            idx = sampler.indices(step)
+            links = setup.network.sample(step)
+            params, state, _, losses, grads = train_step(
+                setup.grad_fn, setup.strategy, params, state, setup.data.x_train[idx], setup.data.y_train[idx],
+                mask, comm, links, need_grads=need_grads)
+            assert (grads is None) is (not need_grads)       # False: the fused path ran
+            losses_seen.append(losses)
+        runs[need_grads] = (params, state, torch.stack(losses_seen))
+    (p_fused, s_fused, l_fused), (p_plain, s_plain, l_plain) = runs[False], runs[True]
+    assert torch.equal(p_fused, p_plain)
+    assert torch.equal(l_fused, l_plain)
+    assert s_fused.count == s_plain.count
+    assert (s_fused.momentum is None) is (s_plain.momentum is None)
+    if s_fused.momentum is not None:
+        assert torch.equal(s_fused.momentum, s_plain.momentum)
+    assert not torch.equal(p_fused, start)

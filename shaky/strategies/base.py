@@ -4,6 +4,7 @@ exchange, a ring all-reduce)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple, Protocol, TypeVar
@@ -105,6 +106,27 @@ class SGD:
         if overwrite_grads and _same_dense_layout(grads, params):
             return torch.add(params, d, alpha=-lr, out=grads), SGDState(state.count + 1, buf)
         return params.add(d, alpha=-lr), SGDState(state.count + 1, buf)
+
+    def in_place(self, params: torch.Tensor, state: SGDState) -> tuple[Callable[[slice, torch.Tensor], None], SGDState]:
+        """``update`` applied in place, one column slice at a time: ``apply(columns, grad)`` sets
+        ``params[:, columns]`` (and the momentum buffer's columns) to what ``update`` gives for them, with the
+        same operations, so the numbers are identical. ``grad`` is consumed (it may be overwritten).
+
+        For the optimizer-in-backward path (``shaky.train.train_step``): the caller owns ``params``
+        and the state, and calls ``apply`` once for every column.
+        """
+        c, buf, lr = self.cfg, state.momentum, self.lr(state.count)
+
+        def apply(columns: slice, grad: torch.Tensor) -> None:
+            p = params[:, columns]
+            d = grad.add_(p, alpha=c.weight_decay) if c.weight_decay else grad
+            if buf is not None:
+                b = buf[:, columns]
+                torch.add(d, b, alpha=c.momentum, out=b)
+                d = b
+            p.add_(d, alpha=-lr)
+
+        return apply, SGDState(state.count + 1, buf)
 
     def delta(self, params: torch.Tensor, grads: torch.Tensor, state: SGDState) -> tuple[torch.Tensor, SGDState]:
         """The change ``update`` would make to ``params`` (-lr * direction), for strategies that exchange updates."""

@@ -14,6 +14,8 @@ data chunks (see ``shaky.data.assign_chunks``); the update itself is this one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from shaky.comm.base import Comm
@@ -33,6 +35,18 @@ class LocalSGD(SGDStrategy):
         # The new local models go into the gradient buffer (the step owns it), and are averaged in place:
         # no full-size tensor is allocated in the step (see Strategy).
         local, state = self.sgd.update(params, grads, state, overwrite_grads=True)
+        return self.after_local_update(local, state, comm, links)
+
+    def local_update(self, params: torch.Tensor,
+                     state: SGDState) -> tuple[Callable[[slice, torch.Tensor], None], SGDState]:
+        """This step's local SGD update, to be applied in place to ``params`` column slice by column slice
+        while the backward pass runs (``shaky.train.train_step``); then :meth:`after_local_update`."""
+        return self.sgd.in_place(params, state)
+
+    def after_local_update(self, local: torch.Tensor, state: SGDState, comm: Comm,
+                           links: LinkSample) -> tuple[torch.Tensor, SGDState, StepStats]:
+        """The rest of the step once every worker holds its new local model ``local`` (the caller's to give up):
+        the lossy average on every period-th step."""
         if state.count % self.period:
             return local, state, StepStats()
         averaged, stats = self.lossy_average(local, comm, links, overwrite=True)
