@@ -96,13 +96,20 @@ def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
 
-def _setup(case: str, workers: int, batch: int, seed: int = 0) -> dict[str, Any]:
+def _setup(case: str, workers: int, batch: int, seed: int = 0, channels_last: bool = False) -> dict[str, Any]:
+    """Model, layout and a random batch per worker. ``channels_last``: 2-D conv nets (their weights and
+    inputs) in channels-last memory format, the layout oneDNN runs fastest, for the baselines b, c and d."""
     name, shape, _ = CASES[case]
     model = build_model(name, input_shape=shape, num_classes=NUM_CLASSES, seed=seed)
     flat = FlatParams(model)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(workers, batch, *shape, generator=gen)
     y = torch.randint(0, NUM_CLASSES, (workers, batch), generator=gen)
+    image_shape = tuple(getattr(model, "shape", ()))
+    if channels_last and len(image_shape) == 3:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.reshape(workers * batch, *image_shape).contiguous(memory_format=torch.channels_last)
+        x = x.view(workers, batch, *image_shape)
     return {"model": model, "flat": flat, "x": x, "y": y, "mask": torch.ones(workers, batch)}
 
 
@@ -184,12 +191,13 @@ def _budget(quick: bool) -> tuple[float, int, int]:
 
 
 def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap: bool,
-                     with_loop: bool) -> dict[str, Any]:
+                     with_loop: bool, channels_last: bool = False) -> dict[str, Any]:
     """a, b, c (and a_vmap) interleaved in bursts of rounds; medians and minimums in ms."""
     s = _setup(case, workers, batch)
-    runs: dict[str, Callable[[], None]] = {"a": SimRound(s, workers), "c": LimitRound(s, workers)}
+    base = _setup(case, workers, batch, channels_last=channels_last) if channels_last else s
+    runs: dict[str, Callable[[], None]] = {"a": SimRound(s, workers), "c": LimitRound(base, workers)}
     if with_loop:
-        runs["b"] = LoopRound(s, workers)
+        runs["b"] = LoopRound(base, workers)
     if with_vmap:
         runs["a_vmap"] = SimRound(s, workers, generic=True)
     budget_s, fewest, most = _budget(quick)
@@ -305,7 +313,7 @@ def _free_port() -> int:
 
 
 def _gloo_worker(rank: int, world: int, port: int, cases: list[str], batch: int, quick: bool, allocator: str,
-                 result_file: str) -> None:
+                 result_file: str, channels_last: bool = False) -> None:
     import torch.distributed as dist  # noqa: PLC0415 - only the dist baseline needs it
 
     torch.set_num_threads(1)
@@ -316,7 +324,7 @@ def _gloo_worker(rank: int, world: int, port: int, cases: list[str], batch: int,
     results: dict[str, float] = {}
     try:
         for case in cases:
-            s = _setup(case, world, batch)
+            s = _setup(case, world, batch, channels_last=channels_last)
             model = s["model"]
             flat = s["flat"]
             opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -354,14 +362,14 @@ def _gloo_worker(rank: int, world: int, port: int, cases: list[str], batch: int,
 
 
 def bench_gloo(world: int, cases: list[str], batch: int, quick: bool, allocator: str, timeout_s: float,
-               scratch: Path) -> dict[str, float]:
+               scratch: Path, channels_last: bool = False) -> dict[str, float]:
     """(d) for every case at once with one group of ``world`` processes; {} (and a message) on failure."""
     result_file = scratch / f"gloo-{world}-{os.getpid()}.json"
     result_file.unlink(missing_ok=True)
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, cases, batch, quick, allocator, str(result_file)),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, cases, batch, quick, allocator, str(result_file),
+                                                          channels_last), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -434,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
                              "programs on the machine, but it also counts threads spinning in OpenMP barriers); "
                              "d is always wall clock")
     parser.add_argument("--no-gloo", action="store_true", help="skip (d)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="run the 2-D conv nets of the baselines b, c and d in channels-last memory format "
+                             "(oneDNN's fastest layout, the one (a) uses); default: the modules as written (NCHW)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement of (a)")
     parser.add_argument("--no-vmap", action="store_true", help="skip a_vmap, the generic vmap path")
     parser.add_argument("--all", action="store_true",
@@ -460,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), "
           f"OMP_WAIT_POLICY {OMP_POLICY}, "
           f"allocator: {allocator}, batch {args.batch} per worker, random inputs, {args.clock} clock, "
+          f"baselines' conv nets {'channels-last' if args.channels_last else 'as written (NCHW)'}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -472,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             row: dict[str, Any] = {"case": case, "model": name, "input": list(shape), "what": what, "W": w,
                                    "fast_path": fast_path(_setup(case, 1, 1)["model"])}
-            row.update(bench_in_process(case, w, args.batch, args.quick, vmap_ok, with_loop=not heavy))
+            row.update(bench_in_process(case, w, args.batch, args.quick, vmap_ok, with_loop=not heavy,
+                                        channels_last=args.channels_last))
             if not args.no_memory:
                 mem = peak_memory(case, w, args.batch, threads, allocator, timeout_s=600)
                 if "error" in mem:
@@ -486,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(os.environ.get("TMPDIR", "/tmp"))
         for w in [w for w in workers if w in GLOO_WORKERS]:
             t0 = time.perf_counter()
-            res = bench_gloo(w, models, args.batch, args.quick, allocator, timeout_s=300, scratch=scratch)
+            res = bench_gloo(w, models, args.batch, args.quick, allocator, timeout_s=300, scratch=scratch,
+                             channels_last=args.channels_last)
             for row in rows:
                 if row["W"] == w and row["case"] in res:
                     row["d"] = res[row["case"]]
