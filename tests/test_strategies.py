@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from shaky.comm.sim import SimComm
-from shaky.config import NetworkConfig
+from shaky.config import NetworkConfig, OptimConfig, StrategyConfig
 from shaky.models import build_model
 from shaky.network.model import NetworkModel
+from shaky.strategies import _STRATEGIES, SGD
 from shaky.train import BatchSampler, prepare
 
 from conftest import make_config, run
@@ -124,9 +125,6 @@ def _tensors(tree) -> list[torch.Tensor]:
 def test_step_leaves_params_and_state_alone_and_may_only_reuse_grads(name: str, extra: dict) -> None:
     """Strategy's contract: step never writes params or state; the result equals a step on a private
     copy of the gradients, whatever the step did to the gradient buffer it was given."""
-    from shaky.config import OptimConfig, StrategyConfig
-    from shaky.strategies import SGD, _STRATEGIES
-
     w, dim = 4, 23                                      # 23 values in 4 blocks: uneven block sizes
     gen = torch.Generator().manual_seed(1)
     strategy = _STRATEGIES[name](SGD(OptimConfig(lr=0.1, momentum=0.9)), StrategyConfig(name=name, **extra))

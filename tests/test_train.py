@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from shaky.comm.sim import SimComm
 from shaky.train import (CHECKPOINT_FILE, SHARDS_FILE, BatchSampler, InterruptedRun, _mix, _permuted, prepare,
                          read_metrics, train, train_step)
+
+from shaky.vectorized import fused_update
 
 from conftest import make_config, run, without_wall_time
 
@@ -136,9 +139,6 @@ def test_keyed_permutation_is_a_bijection_and_uniform() -> None:
 def test_fused_step_equals_the_functional_step_bit_for_bit(model: str, optim: dict, strategy: dict) -> None:
     """train_step's optimizer-in-backward path (taken for linear models under model averaging) gives exactly
     the parameters, momentum and losses of grad_fn + strategy.step, step after step, drops included."""
-    from shaky.comm.sim import SimComm
-    from shaky.vectorized import fused_update
-
     cfg = make_config(model={"name": model}, optim={"lr": 0.1, **optim}, strategy=strategy,
                       network={"drop_rate": 0.3})
     setup = prepare(cfg)

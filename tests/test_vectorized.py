@@ -10,7 +10,7 @@ import torch
 from torch.func import vmap
 
 from shaky.models import MODELS, FlatParams, build_model
-from shaky.vectorized import fast_path, generic_functions, make_functions, tune_allocator
+from shaky.vectorized import _fold, fast_path, generic_functions, make_functions, tune_allocator
 
 NUM_CLASSES = 10
 VOCAB = 50
@@ -137,3 +137,16 @@ def test_tune_allocator_in_a_fresh_process() -> None:
             "x = torch.ones(4096, 4096); del x; assert torch.ones(2048, 2048).sum() == 2048 ** 2; print(ok)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() in ("True", "False")
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_fold_lays_images_out_channels_last_with_each_workers_channels_together(channels: int) -> None:
+    """The grouped path's input is channels-last (oneDNN's fast layout; with one channel per worker a plain
+    reshape left it worker-major and the whole CNN ran in NCHW) and holds worker w's channels at w*C..w*C+C-1."""
+    w, b, h, width = 4, 3, 5, 6
+    x = torch.randn(w, b, channels, h, width)
+    folded = _fold(x, (channels, h, width), channels_last=True)
+    assert folded.shape == (b, w * channels, h, width)
+    assert folded.is_contiguous(memory_format=torch.channels_last)
+    for worker in range(w):
+        assert torch.equal(folded[:, worker * channels:(worker + 1) * channels], x[worker])
