@@ -11,7 +11,6 @@ import torch
 from shaky.comm.sim import SimComm
 from shaky.train import (CHECKPOINT_FILE, SHARDS_FILE, BatchSampler, InterruptedRun, _mix, _permuted, prepare,
                          read_metrics, train, train_step)
-
 from shaky.vectorized import fused_update
 
 from conftest import make_config, run, without_wall_time
