@@ -130,8 +130,8 @@ class SimRound:
         self.grad_s: list[float] = []
         self.step_s: list[float] = []
         self.labelled = False
-        """Label the two parts for the profiler. Off when timing: an open record_function slows every op
-        inside it (0.2 ms a round for the MLP at W = 64 here), and train.py opens none."""
+        """Label the round for the profiler (``--profile``). Off when timing: an open record_function slows
+        every op inside it (0.2 ms a round for the MLP at W = 64 here), and train.py opens none."""
 
     def _label(self, name: str) -> contextlib.AbstractContextManager:
         return torch.profiler.record_function(name) if self.labelled else contextlib.nullcontext()
