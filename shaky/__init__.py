@@ -1,30 +1,50 @@
 """shaky: distributed training over bad networks.
 
 The public API: build a config, prepare and train a run in the simulator, run a
-sweep and report on it, or average your own model across torch.distributed ranks
-with ``RPSAverager``.
+sweep and report on it, compose a strategy from stages, or average your own model
+across torch.distributed ranks with ``RPSAverager`` / ``ModelAverager`` (DiLoCo
+with ``outer_optimizer=OuterSGD(...)``).
+
+Importing shaky changes nothing in the process (no environment variable, thread
+count or allocator setting; the command line makes those), and loads torch only
+when a name that needs it is first used.
 """
 
-import os
+from __future__ import annotations
 
-# OpenMP threads that spin while they wait turn any other load on a small machine (a second
-# run, a sweep's other process, torchrun's other ranks) into a 20-30x slowdown; sleeping
-# waiters cost next to nothing when the machine is idle. It must be set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import importlib
+from typing import Any
 
-from shaky.averager import ModelAverager, RPSAverager  # noqa: E402
-from shaky.comm.sim import SimComm  # noqa: E402
-from shaky.config import NetworkConfig, RunConfig, config_from_dict, load_toml  # noqa: E402
-from shaky.network.model import LinkSample, NetworkModel  # noqa: E402
-from shaky.network.clock import Clock  # noqa: E402
-from shaky.scale import scalability  # noqa: E402
-from shaky.strategies import Strategy, build_strategy  # noqa: E402
-from shaky.sweep import load_sweep, run_sweeps  # noqa: E402
-from shaky.train import prepare, read_metrics, train  # noqa: E402
-from shaky.report import write_report  # noqa: E402
+_EXPORTS = {
+    "ModelAverager": "shaky.averager", "RPSAverager": "shaky.averager",
+    "SimComm": "shaky.comm.sim",
+    "NetworkConfig": "shaky.config", "RunConfig": "shaky.config", "config_from_dict": "shaky.config",
+    "load_toml": "shaky.config",
+    "FaultInjector": "shaky.inject",
+    "LinkSample": "shaky.network.model", "NetworkModel": "shaky.network.model",
+    "Membership": "shaky.network.faults",
+    "Clock": "shaky.network.clock",
+    "Schedule": "shaky.schedule",
+    "scalability": "shaky.scale",
+    "OuterSGD": "shaky.strategies", "Strategy": "shaky.strategies", "build_strategy": "shaky.strategies",
+    "AverageGradients": "shaky.strategies", "AverageModels": "shaky.strategies", "AverageUpdates": "shaky.strategies",
+    "delayed": "shaky.strategies", "every": "shaky.strategies", "outer": "shaky.strategies",
+    "lossy_block_average": "shaky.strategies", "reliable_mean": "shaky.strategies",
+    "load_sweep": "shaky.sweep", "run_sweeps": "shaky.sweep",
+    "prepare": "shaky.setup", "read_metrics": "shaky.rundir", "train": "shaky.train",
+    "write_report": "shaky.report",
+}
 
-__all__ = [
-    "Clock", "LinkSample", "ModelAverager", "NetworkConfig", "NetworkModel", "RPSAverager", "RunConfig", "SimComm",
-    "Strategy", "build_strategy", "config_from_dict", "load_sweep", "load_toml", "prepare", "read_metrics",
-    "run_sweeps", "scalability", "train", "write_report",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'shaky' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -13,7 +13,14 @@ Every ``period`` steps the model goes through RPS's two-phase block exchange
 seed exactly as the simulator draws them, so a dropped message is a block that
 is left out of the average, identically on every rank. ``period`` > 1 is local
 SGD; steps before ``warmup_steps`` average exactly every step, as
-PeriodicModelAverager's warm-up does.
+PeriodicModelAverager's warm-up does. With ``outer_optimizer`` (for example
+``shaky.OuterSGD(lr=0.7, momentum=0.9)``) the averaged model goes through
+DiLoCo's outer step: ``ModelAverager(model, period=H, outer_optimizer=...)`` is
+DiLoCo around your own inner optimizer.
+
+Nothing here changes process-wide settings (threads, OpenMP, malloc): those are
+the command line's; ``docs/performance.md`` says which ones pay off and how to
+set them in your own process.
 """
 
 from __future__ import annotations
@@ -25,8 +32,11 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from shaky.comm.dist import DistComm
 from shaky.config import NetworkConfig, config_from_dict
+from shaky.network.faults import Membership, Round
 from shaky.network.model import NetworkModel
-from shaky.strategies.base import StepStats, block_exchange_traffic
+from shaky.schedule import Schedule
+from shaky.strategies.exchange import StepStats, lossy_block_average
+from shaky.strategies.optim import OuterSGD, OuterState
 
 
 def _network_config(network: NetworkConfig | dict[str, Any] | str | None) -> NetworkConfig:
@@ -42,23 +52,27 @@ class ModelAverager:
     """Averages a module's parameters across torch.distributed ranks over a simulated lossy network."""
 
     def __init__(self, model: torch.nn.Module, *, network: NetworkConfig | dict[str, Any] | str | None = None,
-                 period: int = 1, warmup_steps: int = 0, seed: int = 0) -> None:
+                 period: int = 1, warmup_steps: int = 0, seed: int = 0,
+                 outer_optimizer: OuterSGD | None = None) -> None:
         """Args:
             model: The module whose parameters every rank averages (same architecture on every rank).
             network: A NetworkConfig, a dict of its settings (``{"drop_rate": 0.1}``), or a preset name.
             period: Average every this many calls of ``step()`` (1 = RPS, more = local SGD).
             warmup_steps: Calls of ``step()`` that average exactly (no drops) every time.
             seed: Seeds the delivery masks; use the same on every rank.
+            outer_optimizer: DiLoCo's outer step on the averaged model (``shaky.OuterSGD``); None: the average
+                itself.
         """
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ValueError(f"period must be an integer >= 1, got {period!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        self.schedule = Schedule(period=period, warmup_steps=warmup_steps)
+        if outer_optimizer is not None and not isinstance(outer_optimizer, OuterSGD):
+            raise TypeError(f"outer_optimizer must be a shaky.OuterSGD, got {type(outer_optimizer).__name__}")
         self.comm = DistComm()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.network = NetworkModel(_network_config(network), self.comm.num_workers, seed)
-        self.period = period
-        self.warmup_steps = warmup_steps
+        self.exchange = lossy_block_average()
+        self.members = Membership.everyone(self.comm.num_workers)
+        self.outer = outer_optimizer
+        self.outer_state: OuterState | None = None
         self.steps = 0
         self.rounds = 0
         self.bytes_sent = 0
@@ -68,17 +82,24 @@ class ModelAverager:
     @torch.no_grad()
     def step(self) -> None:
         """Call after ``optimizer.step()``; averages when this step's turn comes."""
+        step = self.steps
         self.steps += 1
-        if self.steps > self.warmup_steps and self.steps % self.period:
+        if not self.schedule.launches(step):
             return
         vec = parameters_to_vector(self.params)[None]
-        if self.steps <= self.warmup_steps:
+        if self.outer is not None and self.outer_state is None:
+            self.outer_state = self.outer.init(vec)  # the model the first local steps started from
+        if self.schedule.in_warmup(step):
             averaged = self.comm.mean(vec)
+            if self.outer is not None:  # warm-up averages exactly; the outer step starts after it
+                self.outer_state = self.outer.init(averaged)
         else:
             links = self.network.sample(self.rounds)
+            averaged, _, stats = self.exchange(vec, self.comm, Round(self.rounds, links, self.members), ())
             self.rounds += 1
-            averaged = self.comm.block_average(vec, links.up.to(vec.device), links.down.to(vec.device))
-            self._count(StepStats(block_exchange_traffic(vec, self.comm.num_workers, links, reliable=False)))
+            self._count(stats)
+            if self.outer is not None and self.outer_state is not None:
+                averaged, self.outer_state = self.outer.update(averaged, self.outer_state)
         vector_to_parameters(averaged[0], self.params)
 
     def _count(self, stats: StepStats) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import typing
 from pathlib import Path
@@ -18,7 +19,7 @@ EXIT_BAD_INPUT = 2
 
 # CLI flag -> dotted config key. Every other setting is reachable with --set KEY=VALUE.
 _FLAGS: dict[str, tuple[str, type, str]] = {
-    "strategy": ("strategy.name", str, "allreduce, lossy-allreduce, rps, local-sgd, ri-sgd or dts"),
+    "strategy": ("strategy.name", str, "allreduce, lossy-allreduce, rps, local-sgd, ri-sgd, dts or diloco"),
     "workers": ("num_workers", int, "number of workers W"),
     "drop_rate": ("network.drop_rate", float, "probability that a message is lost, in [0, 1)"),
     "preset": ("network.preset", str, "network preset: lan, lossy or geo4"),
@@ -159,11 +160,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise BadInput(str(exc)) from None
     if cfg.backend == "dist":
         return _train_dist(args, setup, run_dir)
-    summary = train(setup, run_dir, resume=bool(args.resume), label=cfg.strategy.name, progress=not args.quiet)
+    summary = train(setup, run_dir, resume=bool(args.resume), label=cfg.strategy.name, progress=not args.quiet,
+                    faults=_faults())
     if not args.quiet:
         print(json.dumps(summary, indent=2))
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _faults() -> Any:
+    """The faults that ``SHAKY_INJECT_FAULT`` asks for (tests start processes with it), or None."""
+    from shaky.inject import FaultInjector  # noqa: PLC0415
+
+    try:
+        return FaultInjector.from_env()
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
 
 
 def _checkpoint_note(run_dir: Path) -> str:
@@ -200,7 +212,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     writer = comm.rank == 0
     try:
         summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
-                        label=cfg.strategy.name, progress=not args.quiet)
+                        label=cfg.strategy.name, progress=not args.quiet, faults=_faults())
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
         dist.barrier()
     except (RuntimeError, dist.DistBackendError) as exc:
@@ -377,7 +389,7 @@ def _no_file_below(flag: str, path: Path) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from shaky.sweep import load_sweep, parse_overrides, plan, run_sweeps  # noqa: PLC0415
+    from shaky.sweep import execute_tuned, load_sweep, parse_overrides, plan, run_sweeps  # noqa: PLC0415
 
     if args.jobs is not None and args.jobs < 1:
         raise BadInput(f"--jobs must be >= 1, got {args.jobs}")
@@ -394,7 +406,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         raise BadInput(str(exc)) from None
     try:
-        outcome = run_sweeps(sweeps, out, jobs=args.jobs, progress=not args.quiet)
+        outcome = run_sweeps(sweeps, out, jobs=args.jobs, progress=not args.quiet, runner=execute_tuned)
     except KeyboardInterrupt:
         print("shaky: interrupted; run the same command again to resume (finished runs are kept)", file=sys.stderr)
         return 130
@@ -437,13 +449,27 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def process_settings() -> None:
+    """The process-wide settings of a shaky command (docs/performance.md has the measurements behind them).
+
+    Only the command line makes them: ``import shaky`` and the classes a user constructs in their own
+    process leave the process as it is. They must come before torch loads (OpenMP reads its
+    environment then), which is why nothing above this call imports torch.
+
+    * ``OMP_WAIT_POLICY=PASSIVE`` unless set: OpenMP threads that spin while they wait turn any other load
+      on a small machine (a sweep's other process, torchrun's other ranks) into a 20-30x slowdown.
+    * glibc malloc keeps freed memory: every step allocates and frees the same large tensors, and
+      returning them to the OS costs a page fault per 4 KiB per step.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from shaky.vectorized import tune_allocator  # noqa: PLC0415
+
+    tune_allocator()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from shaky.vectorized import tune_allocator  # noqa: PLC0415  (torch loads only once the arguments parse)
-
-    # Every step allocates and frees the same large tensors; keeping freed memory in the process
-    # instead of returning it to the OS saves a page fault per 4 KiB per step (docs/performance.md).
-    tune_allocator()
+    process_settings()
     try:
         return {"train": cmd_train, "demo": cmd_demo, "scale": cmd_scale, "sweep": cmd_sweep,
                 "report": cmd_report}[args.command](args)

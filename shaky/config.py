@@ -22,7 +22,19 @@ import tomli_w
 Matrix = tuple[tuple[float, ...], ...]
 """A per-link matrix [W, W]: entry [i][j] describes the link from worker i to worker j."""
 
-STRATEGIES = ("allreduce", "lossy-allreduce", "rps", "local-sgd", "ri-sgd", "dts")
+STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
+    "allreduce": (),
+    "lossy-allreduce": (),
+    "rps": (),
+    "local-sgd": ("period", "reliable"),
+    "ri-sgd": ("period", "redundancy", "grow_batch"),
+    "dts": ("period", "delay", "correction"),
+    "diloco": ("period", "reliable", "outer_lr", "outer_momentum", "outer_nesterov"),
+}
+"""Each strategy (the registry in ``shaky.strategies``) and the strategy.* settings it reads beside
+``weighted``; setting any other one away from its default is an error that names who reads it."""
+STRATEGIES = tuple(STRATEGY_OPTIONS)
+OPTIMIZERS = ("sgd", "adamw")
 BACKENDS = ("sim", "dist")
 DTYPES = ("float32", "float64")
 
@@ -101,12 +113,20 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimConfig:
+    name: str = "sgd"
+    """Every worker's local (inner) optimizer: sgd (torch.optim.SGD's rule) or adamw (torch.optim.AdamW's)."""
     lr: float = 0.1
-    """Peak learning rate of SGD."""
+    """Peak learning rate of the local optimizer."""
     momentum: float = 0.0
-    """Heavy-ball momentum, kept per worker (0 in the RPS paper)."""
+    """sgd: heavy-ball momentum, kept per worker (0 in the RPS paper)."""
     weight_decay: float = 0.0
-    """L2 penalty added to each gradient (0 in the RPS paper)."""
+    """sgd: L2 penalty added to each gradient (0 in the RPS paper); adamw: decoupled weight decay."""
+    beta1: float = 0.9
+    """adamw: decay of the first-moment average."""
+    beta2: float = 0.999
+    """adamw: decay of the second-moment average."""
+    eps: float = 1e-8
+    """adamw: added to the root of the second moment."""
     warmup_steps: int = 0
     """Steps of linear learning-rate warm-up from lr/warmup_steps to lr."""
     decay_steps: tuple[int, ...] = ()
@@ -115,8 +135,17 @@ class OptimConfig:
     """Multiplier applied at each of decay_steps."""
 
     def __post_init__(self) -> None:
+        _check_choice("optim.name", self.name, OPTIMIZERS)
         _check_range("optim.lr", self.lr, 0.0, math.inf, lo_open=True, hi_open=True)
         _check_range("optim.momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        _check_range("optim.beta1", self.beta1, 0.0, 1.0, hi_open=True)
+        _check_range("optim.beta2", self.beta2, 0.0, 1.0, hi_open=True)
+        _check_range("optim.eps", self.eps, 0.0, math.inf, lo_open=True, hi_open=True)
+        if self.name == "adamw" and self.momentum:
+            raise ValueError(f"optim.momentum applies to sgd; adamw has beta1 and beta2 (got momentum = "
+                             f"{self.momentum!r})")
+        if self.name == "sgd" and (self.beta1, self.beta2, self.eps) != (0.9, 0.999, 1e-8):
+            raise ValueError("optim.beta1, optim.beta2 and optim.eps apply to adamw, not sgd")
         _check_range("optim.weight_decay", self.weight_decay, 0.0, math.inf, hi_open=True)
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -128,9 +157,9 @@ class OptimConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StrategyConfig:
     name: str = "rps"
-    """allreduce, lossy-allreduce, rps, local-sgd, ri-sgd or dts."""
+    """allreduce, lossy-allreduce, rps, local-sgd, ri-sgd, dts or diloco."""
     period: int = 1
-    """Average every this many steps (local SGD's tau, DTS's temporal sparsity d); 1 = every step."""
+    """Average every this many steps (local SGD's tau, DTS's temporal sparsity d, DiLoCo's H); 1 = every step."""
     redundancy: int = 1
     """RI-SGD's q: each worker holds q of the W data chunks, chosen cyclically; 1 = no redundancy."""
     grow_batch: bool = False
@@ -141,19 +170,31 @@ class StrategyConfig:
     """DTS: correct the stale average with the worker's own fresh gradient (off = plain stale SGD)."""
     weighted: bool = False
     """Weigh each worker's share of an average by its batch size (for heterogeneous batch_sizes)."""
+    reliable: bool = False
+    """local-sgd, diloco: average over a reliable transport (the exact mean of a ring all-reduce, resending what
+    is lost) instead of RPS's lossy block exchange."""
+    outer_lr: float = 0.7
+    """diloco: learning rate of the outer SGD step on the pseudo-gradient (0.7 in the DiLoCo paper)."""
+    outer_momentum: float = 0.9
+    """diloco: momentum of the outer step (0.9 in the DiLoCo paper; 0 = plain outer SGD)."""
+    outer_nesterov: bool = True
+    """diloco: Nesterov momentum in the outer step (as the DiLoCo paper), else heavy-ball."""
 
     def __post_init__(self) -> None:
         _check_choice("strategy.name", self.name, STRATEGIES)
         for name in ("period", "redundancy", "delay"):
             if getattr(self, name) < 1:
                 raise ValueError(f"strategy.{name} must be >= 1, got {getattr(self, name)}")
-        if self.period != 1 and self.name not in ("local-sgd", "ri-sgd", "dts"):
-            raise ValueError(f"strategy.period applies to local-sgd, ri-sgd and dts; {self.name} averages "
-                             f"every step (got period = {self.period})")
-        if (self.redundancy != 1 or self.grow_batch) and self.name != "ri-sgd":
-            raise ValueError(f"strategy.redundancy and strategy.grow_batch apply to ri-sgd only, not {self.name}")
-        if (self.delay != 1 or not self.correction) and self.name != "dts":
-            raise ValueError(f"strategy.delay and strategy.correction apply to dts only, not {self.name}")
+        _check_range("strategy.outer_lr", self.outer_lr, 0.0, math.inf, lo_open=True, hi_open=True)
+        _check_range("strategy.outer_momentum", self.outer_momentum, 0.0, 1.0, hi_open=True)
+        # One rule for every strategy: a setting away from its default must be one the strategy reads.
+        for f in dataclasses.fields(self):
+            if f.name in ("name", "weighted") or f.name in STRATEGY_OPTIONS[self.name]:
+                continue
+            if getattr(self, f.name) != f.default:
+                users = [n for n, options in STRATEGY_OPTIONS.items() if f.name in options]
+                raise ValueError(f"strategy.{f.name} applies to {', '.join(users)}; not {self.name} "
+                                 f"(got {f.name} = {getattr(self, f.name)!r})")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

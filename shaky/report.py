@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
-from shaky.train import read_metrics
+from shaky.rundir import read_metrics
 
 _COLUMNS = (
     ("run", "{}"), ("final acc", "{:.4f}"), ("test loss", "{:.4f}"), ("consensus", "{:.3g}"),

@@ -22,7 +22,7 @@ from shaky.config import RunConfig, config_from_dict
 from shaky.network.clock import Clock, PhaseTraffic, hiding_period, scalability
 from shaky.network.model import LinkSample, NetworkModel, link_matrices
 from shaky.network.presets import region_of_workers
-from shaky.strategies.base import block_exchange_traffic, ring_allreduce_traffic
+from shaky.strategies.exchange import block_exchange_traffic, ring_allreduce_traffic
 
 STRATEGIES = ("allreduce", "local-sgd", "dts")
 

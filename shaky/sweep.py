@@ -45,16 +45,15 @@ from typing import Any, Callable, Iterable, Sequence
 import tomli_w
 
 from shaky.config import RunConfig, _build, config_from_dict, load_toml, parse_value, set_dotted, to_dict
+from shaky.rundir import CHECKPOINT_FILE, CONFIG_FILE, RUN_FILES, SUMMARY_FILE, write_json
 
 SWEEP_FILE = "sweep.toml"
 """The resolved sweep (grid, claims, plots) saved in the sweep directory, for ``shaky report``."""
 KINDS = ("train", "scale")
 _TOP_KEYS = ("description", "kind", "base", "grid", "labels", "claim", "plot", "table")
 # What a run directory may hold; anything else makes the sweep refuse to delete it.
-_RUN_FILES = frozenset(("config.toml", "shards.json", "metrics.jsonl", "summary.json", "checkpoint.pt",
-                        "trace.npz", "config.toml.tmp", "summary.json.tmp", "checkpoint.pt.tmp",
-                        "metrics.jsonl.tmp", "trace.npz.tmp"))
-_CONFIG_FILE, _SUMMARY_FILE, _CHECKPOINT_FILE = "config.toml", "summary.json", "checkpoint.pt"
+_RUN_FILES = RUN_FILES
+_CONFIG_FILE, _SUMMARY_FILE, _CHECKPOINT_FILE = CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_FILE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -434,10 +433,13 @@ def _clear_run_dir(run_dir: Path) -> None:
         run_dir.rmdir()
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+def execute_tuned(task: Task) -> dict[str, Any]:
+    """:func:`execute` in a process the command line owns: freed memory is kept for the next step's tensors
+    (glibc malloc settings, process-wide; see docs/performance.md)."""
+    from shaky.vectorized import tune_allocator  # noqa: PLC0415
+
+    tune_allocator()
+    return execute(task)
 
 
 def execute(task: Task) -> dict[str, Any]:
@@ -445,13 +447,11 @@ def execute(task: Task) -> dict[str, Any]:
 
     One thread per run: the sweep runs one process per core, and torch's default of
     a thread per core would make the processes fight over the cores. It also keeps
-    the numbers of a run independent of how many processes the sweep used.
+    the numbers of a run independent of how many processes the sweep used. The
+    thread count is restored afterwards; no other process setting is touched.
     """
     import torch  # noqa: PLC0415
 
-    from shaky.vectorized import tune_allocator  # noqa: PLC0415
-
-    tune_allocator()  # keep freed memory for the next step's tensors (process-wide; see docs/performance.md)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -467,22 +467,15 @@ def _execute(task: Task) -> dict[str, Any]:
         _clear_run_dir(run_dir)
     if task.kind == "scale" and scale_cfg is not None:  # build_run returns one for kind scale
         return _execute_scale(cfg, scale_cfg, run_dir)
-    from shaky.train import prepare, read_metrics, train  # noqa: PLC0415
+    from shaky.rundir import read_summary  # noqa: PLC0415
+    from shaky.train import prepare, train  # noqa: PLC0415
 
     try:
         return train(prepare(cfg), run_dir, resume=task.resume, progress=False)
-    except FloatingPointError as exc:
-        # A run that diverges is a result, not a crash: record where, so the sweep counts it as finished.
-        last = read_metrics(run_dir)[-1]
-        summary = {"final_test_accuracy": last["test_accuracy"], "final_test_loss": last["test_loss"],
-                   "final_train_loss": last["train_loss"], "consensus_distance": last["consensus_distance"],
-                   "bytes_sent": last["bytes_sent"], "messages_dropped": last["messages_dropped"],
-                   "comm_rounds": last["comm_rounds"], "sim_time_s": last["sim_time_s"],
-                   "wall_time_s": last["wall_time_s"], "steps": last["step"], "diverged": True,
-                   "error": str(exc), "strategy": cfg.strategy.name, "num_workers": cfg.num_workers,
-                   "seed": cfg.seed}
-        _write_json(run_dir / _SUMMARY_FILE, summary)
-        return summary
+    except FloatingPointError:
+        # A run that diverges is a result, not a crash: train wrote its summary (diverged, where and why),
+        # so the sweep counts it as finished.
+        return read_summary(run_dir)
 
 
 def _execute_scale(cfg: RunConfig, scale_cfg: ScaleConfig, run_dir: Path) -> dict[str, Any]:
@@ -506,7 +499,7 @@ def _execute_scale(cfg: RunConfig, scale_cfg: ScaleConfig, run_dir: Path) -> dic
                "exchange_s": scale.exchange_seconds(cfg.strategy.name, cfg, work, latency),
                "wan_latency_ms": scale_cfg.wan_latency_ms, "compute_ms": cfg.network.compute_ms,
                "num_params": scale_cfg.num_params, "wall_time_s": time.perf_counter() - t0}
-    _write_json(run_dir / _SUMMARY_FILE, summary)
+    write_json(run_dir / _SUMMARY_FILE, summary)
     return summary
 
 

@@ -52,7 +52,7 @@ InPlaceUpdate = Callable[[slice, torch.Tensor], None]
 FusedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, InPlaceUpdate], torch.Tensor]
 """``fused(params [W, D], x, y, mask, update) -> losses [W]``: the backward pass calls ``update`` per parameter."""
 
-__all__ = ["ForwardFn", "FusedFn", "GradFn", "InPlaceUpdate", "fast_path", "fused_update", "generic_functions",
+__all__ = ["ForwardFn", "FusedFn", "FusedGradFn", "GradFn", "InPlaceUpdate", "fast_path", "generic_functions",
            "make_functions", "tune_allocator"]
 
 
@@ -97,17 +97,24 @@ def make_functions(model: nn.Module, flat: FlatParams, *, compile: bool = False)
     return grad_fn, forward_fn
 
 
-def fused_update(grad_fn: GradFn) -> FusedFn | None:
-    """The optimizer-in-backward form of ``grad_fn`` if it has one (the linear path), else None.
+class FusedGradFn:
+    """A gradient function that can also run with the optimizer in its backward pass (the linear path).
 
     For a model whose ``[W, D]`` state is large against its compute (the MLP at
     W = 64: 6.7 MB a tensor), assembling the gradients into ``[W, D]`` and then
-    reading them again for the update is a large part of a round. The fused form
+    reading them again for the update is a large part of a round. ``update_in_place``
     hands each parameter's gradient to the optimizer as soon as it is computed,
     while it is still in cache, and the update goes straight into the parameters
-    (see ``shaky.train.train_step``, the only caller).
+    (``shaky.train.train_step`` chooses it by this type).
     """
-    return getattr(grad_fn, "update_in_place", None)
+
+    def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def update_in_place(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+                        update: InPlaceUpdate) -> torch.Tensor:
+        raise NotImplementedError
 
 
 def fast_path(model: nn.Module) -> str | None:
@@ -198,7 +205,7 @@ def _linear_chain(model: nn.Module) -> list[nn.Module] | None:
     return mods
 
 
-class _LinearChainGrad:
+class _LinearChainGrad(FusedGradFn):
     """grad_fn for a chain of Linear (+ ReLU) layers: batched matmuls, manual backward, no autograd."""
 
     def __init__(self, model: nn.Module, flat: FlatParams, mods: Sequence[nn.Module]) -> None:

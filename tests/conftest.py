@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from shaky.config import RunConfig, config_from_dict
+from shaky.inject import Fault, FaultInjector
+from shaky.network.faults import Membership, Round
+from shaky.network.model import LinkSample
 from shaky.train import CHECKPOINT_FILE, prepare, read_metrics, train
 
 
@@ -33,6 +36,16 @@ def run(cfg: RunConfig, run_dir: Path, **kwargs: Any) -> tuple[dict[str, Any], t
 
 def without_wall_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows]
+
+
+def everyone(links: LinkSample, step: int | None = None) -> Round:
+    """A round in which every worker lives, with these delivery masks."""
+    return Round(links.round if step is None else step, links, Membership.everyone(links.up.shape[0]))
+
+
+def stop_at(step: int) -> FaultInjector:
+    """Faults that end a run after ``step`` steps, as a killed process would (no final checkpoint)."""
+    return FaultInjector((Fault("stop", step),))
 
 
 @pytest.fixture

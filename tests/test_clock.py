@@ -13,7 +13,7 @@ from shaky.network.clock import Clock, ClockState, hiding_period, scalability
 from shaky.network.model import LinkSample, NetworkModel
 from shaky.network.presets import REGION_RTT_MS, region_of_workers
 from shaky.scale import Workload, exchange_seconds, recommended_period, strategy_scalability
-from shaky.strategies.base import block_exchange_traffic, ring_allreduce_traffic
+from shaky.strategies.exchange import block_exchange_traffic, ring_allreduce_traffic
 
 
 def _links(w: int, lost_up: tuple[int, int] | None = None) -> LinkSample:

@@ -342,7 +342,7 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
     ("model.name", "vgg", "model.name must be one of logreg, mlp, cnn, resnet20, resnet32, resnet44, resnet56, "
                           "resnet110, lstm; got 'vgg'"),
     ("model.hidden", -1, "model.hidden must be >= 0, got -1"),
-    ("strategy.name", "gossip", "strategy.name must be one of allreduce, lossy-allreduce, rps, local-sgd, ri-sgd, dts; got 'gossip'"),
+    ("strategy.name", "gossip", "strategy.name must be one of allreduce, lossy-allreduce, rps, local-sgd, ri-sgd, dts, diloco; got 'gossip'"),
 ]
 
 

@@ -11,9 +11,9 @@ from shaky.cli import main
 from shaky.comm.sim import SimComm
 from shaky.config import OptimConfig, StrategyConfig
 from shaky.network.model import LinkSample
-from shaky.strategies import DTS, SGD
+from shaky.strategies import SGD, REGISTRY
 
-from conftest import make_config, run
+from conftest import everyone, make_config, run, stop_at
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -56,14 +56,15 @@ def _drive(t: int, d: int, correction: bool, steps: int = 12, w: int = 3, dim: i
     """Runs DTS on fixed gradients (they ignore the model); returns the params after each step."""
     gen = torch.Generator().manual_seed(0)
     grads = torch.randn(steps, w, dim, generator=gen, dtype=torch.float64)
-    strategy = DTS(SGD(OptimConfig(lr=0.1)), StrategyConfig(name="dts", delay=t, period=d, correction=correction))
+    strategy = REGISTRY["dts"](StrategyConfig(name="dts", delay=t, period=d, correction=correction),
+                               SGD(OptimConfig(lr=0.1)))
     everything = torch.ones(w, w, dtype=torch.bool)
     links = links or LinkSample(0, everything, everything)
     params = torch.randn(w, dim, generator=gen, dtype=torch.float64)
     history, stats = [params], []
     state = strategy.init(params)
     for n in range(steps):
-        params, state, s = strategy.step(params, grads[n], state, SimComm(w), links)
+        params, state, s = strategy.step(params, grads[n], state, SimComm(w), everyone(links, n))
         history.append(params)
         stats.append(s)
     return history, grads, stats

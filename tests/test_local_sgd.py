@@ -15,9 +15,10 @@ from shaky.config import FailureConfig
 from shaky.data import assign_chunks, coverage, partition
 from shaky.network.faults import FailureSchedule
 from shaky.network.model import LinkSample
-from shaky.train import CHECKPOINT_FILE, BatchSampler, InterruptedRun, gradient_diversity, prepare, train
+from shaky.setup import gradient_diversity
+from shaky.train import CHECKPOINT_FILE, BatchSampler, InterruptedRun, prepare, train
 
-from conftest import make_config, run
+from conftest import everyone, make_config, run, stop_at
 
 
 def test_ri_sgd_with_q1_equals_local_sgd(tmp_run) -> None:
@@ -91,7 +92,7 @@ def test_failed_worker_is_frozen_and_rejoins_with_the_average(tmp_run) -> None:
                           failures=[{"worker": 2, "step": 4, "rejoin": 8}], network={"drop_rate": 0.0})
         d = tmp_run()
         with pytest.raises(InterruptedRun):
-            train(prepare(cfg), d, progress=False, stop_at=stop)
+            train(prepare(cfg), d, progress=False, faults=stop_at(stop))
         snapshots[stop] = torch.load(d / CHECKPOINT_FILE, weights_only=False)["params"]
     before, during, after = snapshots[4], snapshots[8], snapshots[9]
     assert torch.equal(before[2], during[2])                     # frozen while dead
@@ -104,13 +105,13 @@ def test_failed_worker_is_frozen_and_rejoins_with_the_average(tmp_run) -> None:
 
 def test_dead_server_block_is_served_by_its_successor() -> None:
     schedule = FailureSchedule((FailureConfig(worker=1, step=0), FailureConfig(worker=2, step=0)), 4, 10)
-    live = schedule.live(0)
-    assert schedule.servers(live).tolist() == [0, 3, 3, 3]
+    members = schedule.membership(0)
+    assert members.servers.tolist() == [0, 3, 3, 3]
     x = torch.tensor([[1.0] * 4, [10.0] * 4, [20.0] * 4, [3.0] * 4])
     up = torch.ones(4, 4, dtype=torch.bool)
     up[0, 3] = False                                              # worker 0 -> server 3 lost
-    links = schedule.apply(LinkSample(0, up, torch.ones(4, 4, dtype=torch.bool)))
-    out = SimComm(4).block_average(x, links.up, links.down, weights=links.live.double(), servers=links.servers)
+    out = SimComm(4).block_average(x, up, torch.ones(4, 4, dtype=torch.bool), weights=members.weights,
+                                   servers=members.servers)
     # Block 0 (server 0): workers 0 and 3 alive and arrived: 2.0. Blocks 1-3 (server 3): only 3 itself arrived.
     assert out[0].tolist() == [2.0, 3.0, 3.0, 3.0] and out[3].tolist() == [2.0, 3.0, 3.0, 3.0]
 

@@ -11,10 +11,10 @@ from shaky.comm.sim import SimComm
 from shaky.config import NetworkConfig, OptimConfig, StrategyConfig
 from shaky.models import build_model
 from shaky.network.model import NetworkModel
-from shaky.strategies import _STRATEGIES, SGD
+from shaky.strategies import REGISTRY, SGD
 from shaky.train import BatchSampler, prepare
 
-from conftest import make_config, run
+from conftest import everyone, make_config, run, stop_at
 
 
 @pytest.mark.parametrize("workers", [1, 4, 8])
@@ -121,18 +121,19 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name,extra", [("rps", {}), ("local-sgd", {"period": 2}), ("ri-sgd", {}),
-                                        ("allreduce", {}), ("lossy-allreduce", {}), ("dts", {"delay": 2})])
+                                        ("allreduce", {}), ("lossy-allreduce", {}), ("dts", {"delay": 2}),
+                                        ("diloco", {"period": 2}), ("local-sgd", {"period": 2, "reliable": True})])
 def test_step_leaves_params_and_state_alone_and_may_only_reuse_grads(name: str, extra: dict) -> None:
     """Strategy's contract: step never writes params or state; the result equals a step on a private
     copy of the gradients, whatever the step did to the gradient buffer it was given."""
     w, dim = 4, 23                                      # 23 values in 4 blocks: uneven block sizes
     gen = torch.Generator().manual_seed(1)
-    strategy = _STRATEGIES[name](SGD(OptimConfig(lr=0.1, momentum=0.9)), StrategyConfig(name=name, **extra))
+    strategy = REGISTRY[name](StrategyConfig(name=name, **extra), SGD(OptimConfig(lr=0.1, momentum=0.9)))
     network = NetworkModel(NetworkConfig(drop_rate=0.3), w, seed=3)
     params = torch.randn(w, dim, generator=gen, dtype=torch.float64)
     state = strategy.init(params)
     for step in range(4):
-        links = network.sample(step)
+        links = everyone(network.sample(step))
         grads = torch.randn(w, dim, generator=gen, dtype=torch.float64)
         params_before, state_before = params.clone(), [t.clone() for t in _tensors(state)]
         new, new_state, _ = strategy.step(params, grads.clone(), state, SimComm(w), links)

@@ -14,6 +14,7 @@ import pytest
 
 from shaky.cli import main
 from shaky.config import config_from_dict
+from shaky.inject import Fault, FaultInjector
 from shaky.sweep import Task, execute, load_sweep, parse_sweep, point_name, run_sweeps
 from shaky.train import prepare, train
 
@@ -153,12 +154,12 @@ def test_an_interrupted_sweep_resumes_only_what_is_unfinished(tmp_path: Path) ->
     # b: killed mid-run by an injected fault after step 10: a checkpoint at step 10, metrics past it.
     shutil.rmtree(root / b)
     with pytest.raises(Exception, match="injected fault"):
-        train(prepare(config_from_dict(sweep.points[1].values)), root / b, progress=False, stop_at=10)
+        train(prepare(config_from_dict(sweep.points[1].values)), root / b, progress=False, faults=FaultInjector((Fault("stop", 10),)))
     (root / b / "checkpoint.pt").unlink()  # ... and even that checkpoint lost: run again from scratch
     # c: killed at step 10 with its checkpoint: resumed, and bit-identical to the uninterrupted run.
     shutil.rmtree(root / c)
     with pytest.raises(Exception, match="injected fault"):
-        train(prepare(config_from_dict(sweep.points[2].values)), root / c, progress=False, stop_at=10)
+        train(prepare(config_from_dict(sweep.points[2].values)), root / c, progress=False, faults=FaultInjector((Fault("stop", 10),)))
     assert not (root / c / "summary.json").exists()
 
     second = Counting()

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from shaky.comm.sim import SimComm
-from shaky.train import (CHECKPOINT_FILE, SHARDS_FILE, BatchSampler, InterruptedRun, _mix, _permuted, prepare,
-                         read_metrics, train, train_step)
-from shaky.vectorized import fused_update
+from shaky.sampler import _mix, _permuted
+from shaky.train import (CHECKPOINT_FILE, SHARDS_FILE, BatchSampler, InterruptedRun, can_fuse, prepare, read_metrics,
+                         train, train_step)
 
-from conftest import make_config, run, without_wall_time
+from conftest import everyone, make_config, run, stop_at, without_wall_time
 
 
 def test_replayed_trace_reproduces_the_run_exactly(tmp_run) -> None:
@@ -43,7 +43,7 @@ def test_resume_is_bit_identical(strategy: str | dict, momentum: float, tmp_run)
 
     crashed = tmp_run()
     with pytest.raises(InterruptedRun):
-        train(prepare(cfg), crashed, progress=False, stop_at=35)
+        train(prepare(cfg), crashed, progress=False, faults=stop_at(35))
     assert read_metrics(crashed)[-1]["step"] == 30          # evaluations after the checkpoint at 20 exist...
     resumed = train(prepare(cfg), crashed, resume=True, progress=False)
     assert [r["step"] for r in read_metrics(crashed)] == [0, 10, 20, 30, 40, 50, 60]  # ...and are not repeated
@@ -141,7 +141,7 @@ def test_fused_step_equals_the_functional_step_bit_for_bit(model: str, optim: di
     cfg = make_config(model={"name": model}, optim={"lr": 0.1, **optim}, strategy=strategy,
                       network={"drop_rate": 0.3})
     setup = prepare(cfg)
-    assert fused_update(setup.grad_fn) is not None
+    assert can_fuse(setup.grad_fn, setup.strategy)
     comm = SimComm(cfg.num_workers)
     sampler = BatchSampler(setup.shards, list(range(cfg.num_workers)), cfg.worker_batch_sizes(), cfg.seed)
     mask = torch.ones(cfg.num_workers, cfg.batch_size)
@@ -151,7 +151,7 @@ def test_fused_step_equals_the_functional_step_bit_for_bit(model: str, optim: di
         params, state, losses_seen = start.clone(), setup.strategy.init(start), []
         for step in range(7):
             idx = sampler.indices(step)
-            links = setup.network.sample(step)
+            links = everyone(setup.network.sample(step))
             params, state, _, losses, grads = train_step(
                 setup.grad_fn, setup.strategy, params, state, setup.data.x_train[idx], setup.data.y_train[idx],
                 mask, comm, links, need_grads=need_grads)
@@ -161,8 +161,8 @@ def test_fused_step_equals_the_functional_step_bit_for_bit(model: str, optim: di
     (p_fused, s_fused, l_fused), (p_plain, s_plain, l_plain) = runs[False], runs[True]
     assert torch.equal(p_fused, p_plain)
     assert torch.equal(l_fused, l_plain)
-    assert s_fused.count == s_plain.count
-    assert (s_fused.momentum is None) is (s_plain.momentum is None)
-    if s_fused.momentum is not None:
-        assert torch.equal(s_fused.momentum, s_plain.momentum)
+    assert s_fused.opt.count == s_plain.opt.count
+    assert (s_fused.opt.momentum is None) is (s_plain.opt.momentum is None)
+    if s_fused.opt.momentum is not None:
+        assert torch.equal(s_fused.opt.momentum, s_plain.opt.momentum)
     assert not torch.equal(p_fused, start)

@@ -8,7 +8,7 @@ masks with it and the same line of code runs on both backends.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -17,6 +17,28 @@ def block_sizes(dim: int, num_blocks: int) -> list[int]:
     """Splits ``dim`` values into ``num_blocks`` contiguous blocks as equal as possible (larger ones first)."""
     base, extra = divmod(dim, num_blocks)
     return [base + 1] * extra + [base] * (num_blocks - extra)
+
+
+class Handle(Protocol):
+    """An exchange that was started and completes later: ``wait()`` blocks until its result is here.
+
+    The simulator's exchanges complete when they start (:class:`Done`); a real transport's may run
+    in the background while the next steps compute, and ``wait`` is where a worker blocks for it.
+    """
+
+    def wait(self) -> torch.Tensor: ...
+
+
+class Done(NamedTuple):
+    """A handle whose result is already here (every exchange of the simulator)."""
+
+    value: torch.Tensor
+    """The exchange's result, [w, ...] like its input."""
+
+    WORKER_AXIS = ("value",)
+
+    def wait(self) -> torch.Tensor:
+        return self.value
 
 
 class Comm(Protocol):
@@ -55,4 +77,14 @@ class Comm(Protocol):
         ``overwrite``: the caller gives ``x`` up, so the result may be written into
         its storage (and ``x`` returned) instead of a new tensor.
         """
+        ...
+
+    def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                            weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
+                            overwrite: bool = False) -> Handle:
+        """:meth:`block_average`, started: the handle's ``wait()`` gives its result."""
+        ...
+
+    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> Handle:
+        """:meth:`mean`, started: the handle's ``wait()`` gives its result."""
         ...

@@ -11,14 +11,23 @@ the simulator, and both backends agree round by round."""
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from shaky.comm.base import block_sizes
-from shaky.vectorized import tune_allocator
+from shaky.comm.base import Done, block_sizes
+
+
+class _Reduced:
+    """An all-reduce in flight; ``wait`` gives the mean."""
+
+    def __init__(self, work: dist.Work, total: torch.Tensor, denominator: torch.Tensor | float) -> None:
+        self._work, self._total, self._denominator = work, total, denominator
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._total / self._denominator
 
 
 class DistComm:
@@ -31,11 +40,7 @@ class DistComm:
         self.num_workers = dist.get_world_size()
         self.rows = torch.tensor([self.rank])
         self._store = dist.distributed_c10d._get_default_store()
-        self._fault = _injected_fault(self.rank)
         self._buffers: dict[str, torch.Tensor] = {}
-        # Fresh large tensors cost a page fault per 4 KiB (for a 40 MB model vector, longer than the
-        # exchange itself); one process of a torchrun job owns its share of the machine, so keep freed memory.
-        tune_allocator()
 
     def _buffer(self, name: str, size: int, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -45,11 +50,6 @@ class DistComm:
 
     def on_step(self, step: int) -> None:
         """Marks this rank's progress in the rendezvous store, where survivors of a failure read it."""
-        if self._fault is not None and step == self._fault[1]:
-            if self._fault[0] == "exit":
-                os._exit(17)
-            while True:  # an injected hang: this rank stops answering, as a stuck process would
-                time.sleep(3600)
         self._store.set(f"shaky/step/{self.rank}", str(step))
 
     def diagnose_failure(self, timeout_s: float) -> tuple[int, int] | None:
@@ -80,6 +80,21 @@ class DistComm:
         total = x * w[self.rank]
         dist.all_reduce(total)
         return total / w.sum()
+
+    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> _Reduced:
+        """:meth:`mean` as gloo's asynchronous all-reduce: it runs while the caller goes on."""
+        if weights is None:
+            total, denominator = x.clone(), float(self.num_workers)
+        else:
+            w = weights.to(x.dtype)
+            total, denominator = x * w[self.rank], w.sum()
+        return _Reduced(dist.all_reduce(total, async_op=True), total, denominator)
+
+    def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                            weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
+                            overwrite: bool = False) -> Done:
+        """:meth:`block_average`; on gloo it completes before returning (its two phases depend on each other)."""
+        return Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """All workers' rows, [W, ...], on every rank (for checkpoints)."""
@@ -147,23 +162,6 @@ class DistComm:
                 pos += sizes[j]
             out = unpermuted
         return out[None]
-
-
-def _injected_fault(rank: int) -> tuple[str, int] | None:
-    """``SHAKY_INJECT_FAULT=exit:RANK:STEP`` (or ``hang:...``) makes that rank die (or hang) at that step.
-
-    Tests use it to fail a rank deterministically, never with sleeps in the test itself.
-    """
-    spec = os.environ.get("SHAKY_INJECT_FAULT", "")
-    if not spec:
-        return None
-    try:
-        kind, r, step = spec.split(":")
-        if kind not in ("exit", "hang"):
-            raise ValueError(kind)
-        return (kind, int(step)) if int(r) == rank else None
-    except ValueError:
-        raise ValueError(f"SHAKY_INJECT_FAULT must be exit:RANK:STEP or hang:RANK:STEP, got {spec!r}") from None
 
 
 def init_from_env(timeout_s: float) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shaky.comm.base import block_sizes
+from shaky.comm.base import Done, block_sizes
 
 
 class SimComm:
@@ -22,6 +22,14 @@ class SimComm:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> Done:
+        return Done(self.mean(x, weights))
+
+    def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                            weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
+                            overwrite: bool = False) -> Done:
+        return Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite))
 
     def on_step(self, step: int) -> None:
         """Nothing to report: every worker lives in this process."""

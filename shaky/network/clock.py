@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from shaky.network.model import NetworkModel
+from shaky.schedule import Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,16 +150,15 @@ def scalability(clock: Clock, exchange_s: float | None, *, period: int = 1, dela
     clock starts afresh; ``steps`` = 0 picks enough steps (at least 100 exchanges) for
     the start-up, when nothing is due yet, to weigh under 1%.
     """
-    if period < 1 or delay < 1:
-        raise ValueError(f"period and delay must be >= 1, got period = {period}, delay = {delay}")
+    schedule = Schedule(period=period, delay=delay)
     if clock.compute_s <= 0:
         raise ValueError(f"scalability needs a positive compute time, got {clock.compute_s * 1e3:g} ms")
     steps = steps or max(2000, 100 * period, 100 * delay)
     clock.state = ClockState()
     end = 0.0
     for step in range(steps):
-        launch = exchange_s is not None and (step + 1) % period == 0
-        end = clock.tick(exchange_s if launch else None, delay)
+        launch = exchange_s is not None and schedule.launches(step)
+        end = clock.tick(exchange_s if launch else None, schedule.delay)
     return steps * clock.compute_s / end
 
 

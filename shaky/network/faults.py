@@ -1,15 +1,18 @@
-"""Worker failures on a schedule: who is alive in a round, and who serves a dead server's block.
+"""Membership: who is alive in a round, who serves each block, who rejoined, and the averaging weights.
 
-A failed worker stops computing and sending from its failure step until its
-rejoin step. RPS-style block exchanges need a server for every block: block j
-is served by worker j while it lives, else by the next live worker in cyclic
-order (j+1, j+2, ...), which is what a ring of successors in a real system
-does. Every rank derives the same assignment from the schedule alone.
+Membership is one explicit value per round (:class:`Membership`), handed to the
+strategies beside the round's delivery masks (:class:`Round`). In the simulator
+and on the dist backend it comes from the failure schedule: a failed worker
+stops computing and sending from its failure step until its rejoin step. RPS-style
+block exchanges need a server for every block: block j is served by worker j
+while it lives, else by the next live worker in cyclic order (j+1, j+2, ...),
+which is what a ring of successors in a real system does. Every rank derives the
+same membership from the schedule alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -17,40 +20,85 @@ from shaky.config import FailureConfig
 from shaky.network.model import LinkSample
 
 
-class FailureSchedule:
-    """Applies the configured failures to each round's link sample."""
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """Who takes part in one round, the same value on every rank."""
 
-    def __init__(self, failures: tuple[FailureConfig, ...], num_workers: int, num_steps: int) -> None:
+    live: torch.Tensor
+    """bool [W]: workers alive this round. A dead worker neither computes, changes nor sends."""
+    servers: torch.Tensor
+    """int64 [W]: the worker serving block j (j itself while it lives, else its next live successor)."""
+    rejoined: torch.Tensor
+    """bool [W]: workers that come back this round (dead in the last round, alive now)."""
+    weights: torch.Tensor | None
+    """float64 [W]: each worker's weight in an average (its batch size if weighted, 1 otherwise; 0 if dead);
+    None when every worker lives and weighs the same (the plain mean)."""
+    all_live: bool
+    """Every worker lives (``live`` is all True); the common case, checked without touching the tensor."""
+    any_rejoined: bool
+    """Some worker rejoins this round."""
+
+    @staticmethod
+    def everyone(num_workers: int, sample_weights: torch.Tensor | None = None) -> Membership:
+        """Every worker alive, block j served by worker j."""
+        return Membership(torch.ones(num_workers, dtype=torch.bool), torch.arange(num_workers),
+                          torch.zeros(num_workers, dtype=torch.bool), sample_weights, True, False)
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What a strategy knows of the round it runs in: its index, its delivery masks and its membership."""
+
+    step: int
+    """The step (round) index, from 0."""
+    links: LinkSample
+    """Which messages of the round's two phases arrive."""
+    members: Membership
+    """Who is alive, who serves which block, who rejoined, and the averaging weights."""
+
+
+def successor_servers(live: torch.Tensor) -> torch.Tensor:
+    """int64 [W]: the live worker that serves each block (the block's own worker, or its next live successor)."""
+    w = live.shape[0]
+    candidates = (torch.arange(w)[:, None] + torch.arange(w)[None, :]) % w   # [block, k] -> j + k
+    first_live = live[candidates].to(torch.int8).argmax(dim=1)               # first k with a live worker
+    return candidates[torch.arange(w), first_live]
+
+
+class FailureSchedule:
+    """The configured failures as a membership per round."""
+
+    def __init__(self, failures: tuple[FailureConfig, ...], num_workers: int, num_steps: int,
+                 sample_weights: torch.Tensor | None = None) -> None:
         self.num_workers = num_workers
-        alive = torch.ones(num_steps + 1, num_workers, dtype=torch.bool)
-        for f in failures:
-            stop = f.rejoin if f.rejoin != -1 else num_steps + 1
-            alive[f.step:stop, f.worker] = False
-        self._alive = alive
+        self.sample_weights = sample_weights
+        """float64 [W]: each worker's weight in an average (its batch size), or None for equal weights."""
+        # One row per failure event, not per step: a run of 1e15 steps costs nothing to describe.
+        self._spans = [(f.worker, f.step, f.rejoin if f.rejoin != -1 else None) for f in failures]
         self.enabled = bool(failures)
+        self._everyone = Membership.everyone(num_workers, sample_weights)
 
     def live(self, step: int) -> torch.Tensor:
         """bool [W]: who is alive at ``step``."""
-        return self._alive[min(step, len(self._alive) - 1)]
+        alive = torch.ones(self.num_workers, dtype=torch.bool)
+        for worker, start, stop in self._spans:
+            if start <= step and (stop is None or step < stop):
+                alive[worker] = False
+        return alive
 
-    def rejoined(self, step: int) -> torch.Tensor:
-        """bool [W]: workers that come back at ``step`` (dead at step - 1, alive now)."""
-        if step == 0:
-            return torch.zeros(self.num_workers, dtype=torch.bool)
-        return self.live(step) & ~self.live(step - 1)
-
-    def servers(self, live: torch.Tensor) -> torch.Tensor:
-        """int64 [W]: the live worker that serves each block (the block's own worker, or its successor)."""
-        w = self.num_workers
-        candidates = (torch.arange(w)[:, None] + torch.arange(w)[None, :]) % w   # [block, k] -> j + k
-        first_live = live[candidates].to(torch.int8).argmax(dim=1)               # first k with a live worker
-        return candidates[torch.arange(w), first_live]
-
-    def apply(self, links: LinkSample) -> LinkSample:
-        """The round's sample with ``live`` and ``servers`` filled in (unchanged without failures)."""
+    def membership(self, step: int) -> Membership:
+        """The membership of ``step``."""
         if not self.enabled:
-            return links
-        live = self.live(links.round)
-        if bool(live.all()):
-            return links
-        return dataclasses.replace(links, live=live, servers=self.servers(live))
+            return self._everyone
+        live = self.live(step)
+        rejoined = live & ~self.live(step - 1) if step > 0 else torch.zeros_like(live)
+        all_live, any_rejoined = bool(live.all()), bool(rejoined.any())
+        if all_live and not any_rejoined:
+            return self._everyone
+        weights = live.to(torch.float64)
+        if self.sample_weights is not None:
+            weights = weights * self.sample_weights
+        elif all_live:
+            weights = None
+        return Membership(live, successor_servers(live) if not all_live else torch.arange(self.num_workers),
+                          rejoined, weights, all_live, any_rejoined)

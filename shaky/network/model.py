@@ -36,10 +36,6 @@ class LinkSample:
     """up[i, j]: worker i's message to server j arrived (phase 1)."""
     down: torch.Tensor
     """down[j, i]: server j's message to worker i arrived (phase 2)."""
-    live: torch.Tensor | None = None
-    """bool [W]: workers alive this round (None: all). A dead worker neither computes nor sends."""
-    servers: torch.Tensor | None = None
-    """int64 [W]: the worker serving block j (None: worker j). A dead server's block moves to a live one."""
 
 
 def as_matrix(value: float | Matrix, num_workers: int) -> np.ndarray:

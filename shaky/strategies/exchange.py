@@ -1,0 +1,361 @@
+"""Exchange stages: how ``[w, D]`` tensors are averaged across workers, and when.
+
+An exchange is started and later completed. ``start`` launches it through the
+Comm and returns a handle (``shaky.comm.base.Handle``) with the traffic it puts
+on the network; ``__call__`` also applies the exchange's schedule and waits for
+the result that is due this step (None when nothing is due). The two ways to
+average, both weighted by the round's membership (a dead worker weighs 0):
+
+* :class:`ReliableMean`: the exact mean, a ring all-reduce over a transport that
+  resends what it loses (loss costs time on the clock, never accuracy);
+* :class:`LossyBlockAverage`: RPS's two-phase block average (Yu et al., ICML
+  2019) over the lossy network, a dead server's block served by its successor.
+
+Wrappers compose them: ``every(period, e)`` launches every period-th step;
+``delayed(t, e)`` applies what was launched at step n at the end of step
+n + t - 1, keeping the handles in flight in its state (a real transport's
+exchange runs meanwhile); ``outer(opt, e)`` passes the averaged models through
+an outer optimizer (DiLoCo). A schedule is read from one :class:`Schedule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from shaky.comm.base import Comm, Done, Handle, block_sizes
+from shaky.network.clock import PhaseTraffic
+from shaky.network.faults import Membership, Round
+from shaky.network.model import LinkSample
+from shaky.strategies.optim import OuterSGD, OuterState
+from shaky.schedule import Schedule
+
+Then = Callable[[torch.Tensor], torch.Tensor] | None
+"""A function applied to an exchange's result when it completes (None: the result as it is)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """The exchange a step launched, phase by phase, for the counters and the clock."""
+
+    phases: tuple[PhaseTraffic, ...] = ()
+    """The exchange's rounds of messages, in order (empty: the step sends nothing)."""
+    delay: int = 1
+    """The exchange is needed at the end of step n + delay - 1 (1: at the end of this step, synchronous)."""
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(p.bytes_sent for p in self.phases)
+
+    @property
+    def messages_sent(self) -> int:
+        return sum(p.messages for p in self.phases)
+
+    @property
+    def messages_dropped(self) -> int:
+        return sum(p.dropped for p in self.phases)
+
+
+class _Then(NamedTuple):
+    """A started exchange whose result goes through ``fn`` when it completes."""
+
+    handle: Handle
+    fn: Callable[[torch.Tensor], torch.Tensor]
+
+    def wait(self) -> torch.Tensor:
+        return self.fn(self.handle.wait())
+
+
+def then(handle: Handle, fn: Then) -> Handle:
+    """``handle`` with ``fn`` applied to its result (at once if the result is already here)."""
+    if fn is None:
+        return handle
+    if isinstance(handle, Done):
+        return Done(fn(handle.value))
+    return _Then(handle, fn)
+
+
+class Exchange(Protocol):
+    """An exchange stage: ``init`` its state, ``start`` it, or run it for a step (``__call__``)."""
+
+    schedule: Schedule
+
+    def init(self, x: torch.Tensor) -> Any: ...
+
+    def start(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
+              fn: Then = None) -> tuple[Handle, Any, StepStats]: ...
+
+    def __call__(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
+                 fn: Then = None) -> tuple[torch.Tensor | None, Any, StepStats]: ...
+
+
+class _Immediate:
+    """An exchange that is launched every step and waited for in the same step."""
+
+    schedule = Schedule()
+
+    def init(self, x: torch.Tensor) -> tuple[()]:
+        return ()
+
+    def start(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
+              fn: Then = None) -> tuple[Handle, Any, StepStats]:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
+                 fn: Then = None) -> tuple[torch.Tensor | None, Any, StepStats]:
+        handle, state, stats = self.start(x, comm, rnd, state, overwrite=overwrite, fn=fn)
+        return handle.wait(), state, stats
+
+
+class ReliableMean(_Immediate):
+    """The exact (weighted) mean over live workers: a ring all-reduce over a transport that resends."""
+
+    def __repr__(self) -> str:
+        return "reliable_mean()"
+
+    def start(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
+              fn: Then = None) -> tuple[Handle, Any, StepStats]:
+        handle = comm.start_mean(x, rnd.members.weights)
+        return then(handle, fn), state, StepStats(ring_allreduce_traffic(x, comm.num_workers, rnd.links, rnd.members))
+
+
+class LossyBlockAverage(_Immediate):
+    """RPS's two-phase block average over the lossy network, with failed servers' blocks moved on.
+
+    ``overwrite``: ``x`` is the caller's to give up; the average may be computed in its storage.
+    """
+
+    def __repr__(self) -> str:
+        return "lossy_block_average()"
+
+    def start(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
+              fn: Then = None) -> tuple[Handle, Any, StepStats]:
+        m = rnd.members
+        handle = comm.start_block_average(x, rnd.links.up, rnd.links.down, weights=m.weights,
+                                          servers=None if m.all_live else m.servers, overwrite=overwrite)
+        stats = StepStats(block_exchange_traffic(x, comm.num_workers, rnd.links, m, reliable=False))
+        return then(handle, fn), state, stats
+
+
+def reliable_mean() -> ReliableMean:
+    return ReliableMean()
+
+
+def lossy_block_average() -> LossyBlockAverage:
+    return LossyBlockAverage()
+
+
+class Every:
+    """``inner`` launched at the end of every ``period``-th step only (local SGD's tau, DTS's d)."""
+
+    def __init__(self, period: int, inner: Exchange) -> None:
+        self.inner = inner
+        self.schedule = dataclasses.replace(inner.schedule, period=period)
+
+    def __repr__(self) -> str:
+        return f"every({self.schedule.period}, {self.inner!r})"
+
+    def init(self, x: torch.Tensor) -> Any:
+        return self.inner.init(x)
+
+    def start(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
+              fn: Then = None) -> tuple[Handle, Any, StepStats]:
+        return self.inner.start(x, comm, rnd, state, overwrite=overwrite, fn=fn)
+
+    def __call__(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
+                 fn: Then = None) -> tuple[torch.Tensor | None, Any, StepStats]:
+        if not self.schedule.launches(rnd.step):
+            return None, state, StepStats()
+        return self.inner(x, comm, rnd, state, overwrite=overwrite, fn=fn)
+
+
+class DelayedState(NamedTuple):
+    inner: Any
+    """The wrapped exchange's state."""
+    slots: tuple[Handle, ...]
+    """The exchanges in flight: launch k sits in slot k mod S, S = ceil((t - 1) / d) (none when t = 1).
+    A checkpoint stores their results; a rejoining worker takes the live workers' average of them."""
+
+    WORKER_AXIS = ("slots",)
+    SYNC_ON_REJOIN = ("slots",)
+
+
+class Delayed:
+    """``inner``'s exchange launched at the end of step n is applied at the end of step n + t - 1 (DTS's delay).
+
+    Meanwhile its handle waits in the state, so on a real transport the exchange
+    runs in the background while the next t - 1 steps compute.
+    """
+
+    def __init__(self, delay: int, inner: Exchange) -> None:
+        self.inner = inner
+        self.schedule = dataclasses.replace(inner.schedule, delay=delay)
+
+    def __repr__(self) -> str:
+        return f"delayed({self.schedule.delay}, {self.inner!r})"
+
+    def init(self, x: torch.Tensor) -> DelayedState:
+        return DelayedState(self.inner.init(x), tuple(Done(torch.zeros_like(x)) for _ in range(self.schedule.slots)))
+
+    def start(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
+              fn: Then = None) -> tuple[Handle, Any, StepStats]:
+        raise TypeError("delayed(...) cannot be started inside another delay; compose one delayed(t) with t summed")
+
+    def __call__(self, x: torch.Tensor, comm: Comm, rnd: Round, state: DelayedState, *, overwrite: bool = False,
+                 fn: Then = None) -> tuple[torch.Tensor | None, DelayedState, StepStats]:
+        schedule = self.schedule
+        if schedule.delay == 1:
+            result, inner, stats = self.inner(x, comm, rnd, state.inner, overwrite=overwrite, fn=fn)
+            return result, DelayedState(inner, state.slots), stats
+        due = schedule.due_index(rnd.step)
+        result = None if due is None else state.slots[due % schedule.slots].wait()
+        if not schedule.launches(rnd.step):
+            return result, state, StepStats()
+        # Not in x's storage: the result must outlive this step. Written after the due slot was read:
+        # with S * d = t - 1 the two are the same slot.
+        handle, inner, stats = self.inner.start(x, comm, rnd, state.inner, overwrite=False, fn=fn)
+        launch = schedule.launch_index(rnd.step)
+        slots = list(state.slots)
+        slots[launch % schedule.slots] = handle
+        return result, DelayedState(inner, tuple(slots)), dataclasses.replace(stats, delay=schedule.delay)
+
+
+class OuterOptState(NamedTuple):
+    inner: Any
+    """The wrapped exchange's state."""
+    outer: OuterState
+    """The outer optimizer's state (its anchor and momentum)."""
+
+
+class Outer:
+    """The averaged models go through an outer optimizer (DiLoCo): what ``inner`` returns is the average of the
+    local models; the result is the outer optimizer's new model from it."""
+
+    def __init__(self, opt: OuterSGD, inner: Exchange) -> None:
+        self.opt = opt
+        self.inner = inner
+        self.schedule = inner.schedule
+
+    def __repr__(self) -> str:
+        return f"outer({self.opt!r}, {self.inner!r})"
+
+    def init(self, x: torch.Tensor) -> OuterOptState:
+        return OuterOptState(self.inner.init(x), self.opt.init(x))
+
+    def start(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
+              fn: Then = None) -> tuple[Handle, Any, StepStats]:
+        raise TypeError("an outer optimizer steps where its exchange completes: put delayed(...) inside outer(...)")
+
+    def __call__(self, x: torch.Tensor, comm: Comm, rnd: Round, state: OuterOptState, *, overwrite: bool = False,
+                 fn: Then = None) -> tuple[torch.Tensor | None, OuterOptState, StepStats]:
+        averaged, inner, stats = self.inner(x, comm, rnd, state.inner, overwrite=overwrite)
+        if averaged is None:
+            return None, OuterOptState(inner, state.outer), stats
+        new, outer = self.opt.update(averaged, state.outer)
+        return (new if fn is None else fn(new)), OuterOptState(inner, outer), stats
+
+
+def every(period: int, inner: Exchange) -> Every:
+    return Every(period, inner)
+
+
+def delayed(delay: int, inner: Exchange) -> Delayed:
+    return Delayed(delay, inner)
+
+
+def outer(opt: OuterSGD, inner: Exchange) -> Outer:
+    return Outer(opt, inner)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The traffic of an exchange, for the clock and the counters
+
+
+@lru_cache(maxsize=64)
+def _block_link_bytes(dim: int, num_workers: int, itemsize: int, servers: tuple[int, ...] | None,
+                      live: tuple[bool, ...] | None) -> tuple[np.ndarray, np.ndarray]:
+    sizes = np.asarray(block_sizes(dim, num_workers), dtype=np.float64) * itemsize
+    if servers is None and live is None:
+        off_diagonal = ~np.eye(num_workers, dtype=bool)
+        up = np.where(off_diagonal, sizes[None, :], 0.0)    # worker i -> server j carries block j
+        down = np.where(off_diagonal, sizes[:, None], 0.0)  # server j -> worker i carries block j
+    else:
+        srv = np.asarray(servers if servers is not None else range(num_workers))
+        alive = np.asarray(live if live is not None else [True] * num_workers)
+        # [worker i, block j]: i sends block j to its server (and gets it back) if i lives and is not the server.
+        carries = alive[:, None] & (np.arange(num_workers)[:, None] != srv[None, :])
+        up = np.zeros((num_workers, num_workers))
+        np.add.at(up, (np.nonzero(carries)[0], srv[np.nonzero(carries)[1]]), sizes[np.nonzero(carries)[1]])
+        down = up.T.copy()
+    up.flags.writeable = down.flags.writeable = False
+    return up, down
+
+
+def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSample,
+                           members: Membership | None = None, *, reliable: bool) -> tuple[PhaseTraffic, PhaseTraffic]:
+    """The two phases of a block exchange of a [.., D] tensor among ``num_workers``.
+
+    A reliable all-reduce (reduce-scatter then all-gather) moves the same blocks as
+    RPS's two phases: (W-1)/W of the vector out of and into each worker per phase.
+    """
+    some_dead = members is not None and not members.all_live
+    servers = tuple(members.servers.tolist()) if some_dead else None
+    live = tuple(members.live.tolist()) if some_dead else None
+    up, down = _block_link_bytes(params.shape[-1], num_workers, params.element_size(), servers, live)
+    return PhaseTraffic(up, links.up, reliable), PhaseTraffic(down, links.down, reliable)
+
+
+@lru_cache(maxsize=64)
+def _ring_link_bytes(dim: int, num_workers: int, itemsize: int,
+                     order: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Bytes on each link in each of the 2(n-1) hops of a ring all-reduce over the workers ``order``."""
+    n = len(order)
+    sizes = np.asarray(block_sizes(dim, n), dtype=np.float64) * itemsize
+    hops = []
+    # Reduce-scatter hop s: the k-th worker of the ring passes its partial sum of chunk k - s on;
+    # all-gather hop s: it passes the finished chunk k + 1 - s on.
+    for first_chunk in (0, 1):
+        for s in range(n - 1):
+            link = np.zeros((num_workers, num_workers))
+            for k in range(n):
+                link[order[k], order[(k + 1) % n]] = sizes[(k + first_chunk - s) % n]
+            link.flags.writeable = False
+            hops.append(link)
+    return tuple(hops)
+
+
+def ring_allreduce_traffic(x: torch.Tensor, num_workers: int, links: LinkSample,
+                           members: Membership | None = None) -> tuple[PhaseTraffic, ...]:
+    """The 2(n-1) hops of a reliable ring all-reduce (reduce-scatter, then all-gather) of a [.., D] tensor.
+
+    The ring runs over the n live workers in index order; in every hop each sends one
+    chunk of about D/n values to the next, so a hop lasts as long as the ring's slowest
+    link. Messages, bytes and losses match the block exchange (2n(n-1) messages of a
+    chunk each). Whether a hop's message arrived is read from the round's masks: hop s
+    of the reduce-scatter takes sender i's draw in ``up`` towards the (s+1)-th live
+    worker after it, the all-gather the same in ``down``, so every draw is used once
+    (with a per-link drop matrix, a ring message is lost at the rate of one of its
+    sender's links in turn; see docs/clock.md).
+    """
+    order = tuple(range(num_workers)) if members is None or members.all_live else \
+        tuple(torch.nonzero(members.live)[:, 0].tolist())
+    n = len(order)
+    if n < 2:
+        return ()
+    hops = _ring_link_bytes(x.shape[-1], num_workers, x.element_size(), order)
+    ring = torch.tensor(order)
+    senders, receivers = ring, ring.roll(-1)
+    phases = []
+    for h, link in enumerate(hops):
+        mask = links.up if h < n - 1 else links.down
+        s = h % (n - 1)
+        delivered = torch.ones(num_workers, num_workers, dtype=torch.bool)
+        delivered[senders, receivers] = mask[senders, ring.roll(-(s + 1))]
+        phases.append(PhaseTraffic(link, delivered, True))
+    return tuple(phases)
