@@ -10,10 +10,10 @@ One round is every worker's forward, backward and SGD update on its own batch of
 
 a. shaky's simulator: ``shaky.train.train_step``, the step ``shaky train`` runs:
    ``shaky.vectorized.make_functions``'s gradients over the ``[W, D]`` parameters
-   and one RPS step (``shaky.strategies.RPS``: shaky's SGD update and
-   ``SimComm.block_average`` over masks drawn by ``NetworkModel`` at drop rate
+   and one RPS step (the registry's ``rps`` composition: shaky's SGD stage and
+   ``lossy_block_average`` over masks drawn by ``NetworkModel`` at drop rate
    0.1); for the MLP the SGD update runs inside the backward pass
-   (``shaky.vectorized.fused_update``). ``a_grad`` is the gradient part (with that
+   (``FusedGradFn.update_in_place``, the loop's one fused branch). ``a_grad`` is the gradient part (with that
    fused update), ``a_step`` the rest; ``a_vmap`` is the same round with the
    generic ``vmap(grad_and_value)`` path.
 b. a naive loop: W ``nn.Module`` copies, each with its own ``torch.optim.SGD``,
@@ -66,10 +66,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shaky.comm.base import block_sizes  # noqa: E402
 from shaky.comm.sim import SimComm  # noqa: E402
-from shaky.config import NetworkConfig, OptimConfig, StrategyConfig  # noqa: E402
+from shaky.config import NetworkConfig, OptimConfig  # noqa: E402
 from shaky.models import FlatParams, build_model  # noqa: E402
+from shaky.network.faults import Membership, Round  # noqa: E402
 from shaky.network.model import NetworkModel  # noqa: E402
-from shaky.strategies import RPS, SGD  # noqa: E402
+from shaky.strategies import REGISTRY, SGD  # noqa: E402
 from shaky.train import train_step  # noqa: E402
 from shaky.vectorized import fast_path, generic_functions, make_functions, tune_allocator  # noqa: E402
 
@@ -120,11 +121,12 @@ class SimRound:
         model, flat = s["model"], s["flat"]
         self.grad_fn = (generic_functions(model, flat) if generic else make_functions(model, flat, compile=compile))[0]
         self.params = flat.flatten(model)[None].repeat(workers, 1).contiguous()
-        self.strategy = RPS(SGD(OptimConfig(lr=LR)), StrategyConfig(name="rps"))
+        self.strategy = REGISTRY["rps"](None, SGD(OptimConfig(lr=LR)))  # rps reads no strategy options
         self.state = self.strategy.init(self.params)
         self.comm = SimComm(workers)
         network = NetworkModel(NetworkConfig(drop_rate=DROP_RATE), workers, seed=0)
-        self.links = [network.sample(r) for r in range(8)]
+        members = Membership.everyone(workers)
+        self.rounds = [Round(r, network.sample(r), members) for r in range(8)]
         self.x, self.y, self.mask = s["x"], s["y"], s["mask"]
         self.round = 0
         self.grad_s: list[float] = []
@@ -140,10 +142,10 @@ class SimRound:
         # train.py's step function, so (a) is what `shaky train` runs (for the MLP: the optimizer inside the
         # backward pass, then the average in place); marks split it into the gradient part and the rest.
         marks = [CLOCK()]
-        links = self.links[self.round % len(self.links)]
+        rnd = self.rounds[self.round % len(self.rounds)]
         with self._label("a: train_step"):
             self.params, self.state, _, _, _ = train_step(self.grad_fn, self.strategy, self.params, self.state,
-                                                          self.x, self.y, self.mask, self.comm, links, marks=marks)
+                                                          self.x, self.y, self.mask, self.comm, rnd, marks=marks)
         self.round += 1
         self.grad_s.append(marks[1] - marks[0])
         self.step_s.append(marks[2] - marks[1])

@@ -449,27 +449,38 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def process_settings() -> None:
+def process_settings(*, shared_cores: bool = False) -> None:
     """The process-wide settings of a shaky command (docs/performance.md has the measurements behind them).
 
     Only the command line makes them: ``import shaky`` and the classes a user constructs in their own
     process leave the process as it is. They must come before torch loads (OpenMP reads its
     environment then), which is why nothing above this call imports torch.
 
-    * ``OMP_WAIT_POLICY=PASSIVE`` unless set: OpenMP threads that spin while they wait turn any other load
-      on a small machine (a sweep's other process, torchrun's other ranks) into a 20-30x slowdown.
+    * ``shared_cores`` (a torch.distributed rank: other ranks of the run may share this machine's cores):
+      ``OMP_WAIT_POLICY=PASSIVE`` unless set, since OpenMP threads that spin while they wait take the cores
+      from the other processes' working threads (a 2-3x slowdown measured with two runs on two cores).
+      Otherwise OpenMP's own default (spin briefly, then sleep): for a run that has the machine to itself
+      it is 1.3-1.4x faster a step than PASSIVE (an MLP on digits at W = 16 and 64), where waking a
+      sleeping thread costs tens of microseconds per parallel region. ``shaky sweep`` runs one
+      single-threaded process per core, where the policy does not matter.
     * glibc malloc keeps freed memory: every step allocates and frees the same large tensors, and
       returning them to the OS costs a page fault per 4 KiB per step.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if shared_cores:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from shaky.vectorized import tune_allocator  # noqa: PLC0415
 
     tune_allocator()
 
 
+def _shares_cores(args: argparse.Namespace) -> bool:
+    """Whether this process is one rank of a torch.distributed run (torchrun, or RANK set by hand)."""
+    return getattr(args, "backend", None) == "dist" or any(k in os.environ for k in ("RANK", "LOCAL_RANK"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    process_settings()
+    process_settings(shared_cores=_shares_cores(args))
     try:
         return {"train": cmd_train, "demo": cmd_demo, "scale": cmd_scale, "sweep": cmd_sweep,
                 "report": cmd_report}[args.command](args)

@@ -103,7 +103,11 @@ class AverageModels:
                     rnd: Round) -> tuple[torch.Tensor, ComposedState, StepStats]:
         """The rest of the step once every worker holds its new local model ``local`` (the caller's to give up)."""
         averaged, exchange, stats = self.exchange(local, comm, rnd, state.exchange, overwrite=True)
-        return (local if averaged is None else averaged), ComposedState(state.opt, exchange), stats
+        if averaged is None:
+            averaged = local
+        elif not averaged.is_contiguous():  # an exact mean is one row broadcast: the next step writes in place
+            averaged = local.copy_(averaged)
+        return averaged, ComposedState(state.opt, exchange), stats
 
 
 class UpdatesState(NamedTuple):

@@ -1,0 +1,104 @@
+"""The whole training loop against the hardware limit: `shaky train` end to end beside benchmarks/sim.py's (c).
+
+    .venv/bin/python benchmarks/loop.py                     # W = 16 and 64, default settings, 3 repeats
+    .venv/bin/python benchmarks/loop.py --variants default OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1
+
+Each repeat runs, one after another so that load from other programs hits them
+alike: ``shaky train --strategy rps --drop-rate 0.1 --workers W --steps STEPS
+--quiet`` on digits with an MLP (the defaults otherwise: evaluation every 50
+steps, the sampler, the masks, the clock and the metrics all included), once per
+variant (``default``: no environment variable set, what a user gets; any other
+variant: ``NAME=VALUE`` pairs joined by ``,`` added to the environment), and
+then ``benchmarks/sim.py``'s limit (c) for the same W (one model at batch
+W x 32, forward, backward and an SGD step, torch's default threads). A run's
+milliseconds per step are summary.json's ``wall_time_s`` over its steps. The
+table shows the median and the fastest of the repeats, and their ratio to (c).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(variant: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "MALLOC_"))}
+    if variant != "default":
+        for pair in variant.split(","):
+            name, _, value = pair.partition("=")
+            env[name] = value
+    return env
+
+
+def train_ms(workers: int, steps: int, variant: str, scratch: Path) -> float:
+    out = scratch / f"{variant}-{workers}".replace("=", "_").replace(",", "+")
+    cmd = [sys.executable, "-m", "shaky", "train", "--strategy", "rps", "--drop-rate", "0.1", "--workers",
+           str(workers), "--steps", str(steps), "--quiet", "--out", str(out)]
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    proc = subprocess.run(cmd, env=_env(variant), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise SystemExit(f"benchmarks/loop.py: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return 1e3 * summary["wall_time_s"] / summary["steps"]
+
+
+def limit_ms(workers: int, scratch: Path) -> tuple[float, float]:
+    """(median, fastest) ms of (c) from benchmarks/sim.py, run as a user runs it."""
+    out = scratch / f"sim-{workers}.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "sim.py"), "--quick", "--models", "mlp", "--workers",
+           str(workers), "--no-gloo", "--no-memory", "--no-vmap", "--json", str(out)]
+    proc = subprocess.run(cmd, env=_env("default"), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise SystemExit(f"benchmarks/loop.py: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    row = json.loads(out.read_text())["rows"][0]
+    return row["c"], row["c_min"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--steps", type=int, default=1000, help="steps of each shaky train run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=["default"],
+                        help="'default' (no environment variable) or NAME=VALUE[,NAME=VALUE...]")
+    args = parser.parse_args(argv)
+    print(f"shaky benchmarks/loop.py: {os.cpu_count()} CPUs, digits mlp rps drop 0.1, {args.steps} steps, "
+          f"{args.repeats} repeats, load average {os.getloadavg()[0]:.1f}", flush=True)
+    runs: dict[tuple[int, str], list[float]] = {}
+    limits: dict[int, list[tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="shaky-loop-") as tmp:
+        scratch = Path(tmp)
+        for r in range(args.repeats):
+            for w in args.workers:
+                for v in args.variants:
+                    runs.setdefault((w, v), []).append(train_ms(w, args.steps, v, scratch))
+                limits.setdefault(w, []).append(limit_ms(w, scratch))
+                print(f"  repeat {r + 1} W={w}: " + ", ".join(f"{v} {runs[(w, v)][-1]:.2f}" for v in args.variants)
+                      + f", c {limits[w][-1][0]:.2f} ms", flush=True)
+    print()
+    header = f"{'W':>3}  {'variant':<32} {'ms/step':>8} {'min':>6} {'c ms':>6} {'c min':>6} {'ratio':>6} {'min ratio':>9}"
+    print(header)
+    print("-" * len(header))
+    for w in args.workers:
+        c = statistics.median(m for m, _ in limits[w])
+        c_min = min(m for _, m in limits[w])
+        for v in args.variants:
+            ms = statistics.median(runs[(w, v)])
+            fastest = min(runs[(w, v)])
+            print(f"{w:>3}  {v:<32} {ms:>8.2f} {fastest:>6.2f} {c:>6.2f} {c_min:>6.2f} {ms / c:>6.2f} "
+                  f"{fastest / c_min:>9.2f}")
+    print(f"\nratio: median ms per step of shaky train over the median of (c); min ratio: fastest over fastest. "
+          f"load average now {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Strategies composed from stages: one made up here, DiLoCo from the registry, AdamW, and the fault injector.
+
+The dist half runs two gloo processes on 127.0.0.1 through the same training
+loop as the simulator (rank 0 writes each run directory); they must end where
+the simulator ends (allclose 1e-5: the two backends sum in different orders).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shaky.config import RunConfig
+from shaky.inject import Fault, FaultInjector, InterruptedRun
+from shaky.models import build_model
+from shaky.strategies import SGD, AverageModels, OuterSGD, delayed, every, lossy_block_average, outer
+from shaky.train import CHECKPOINT_FILE, BatchSampler, prepare, read_metrics, train
+
+from conftest import make_config, run, without_wall_time
+
+WORKERS = 2
+
+
+def composed(cfg: RunConfig) -> AverageModels:
+    """A strategy no registry entry spells: local SGD whose lossy average, launched every 4th step, arrives one
+    step late and then goes through an outer Nesterov step."""
+    return AverageModels("made-up", SGD(cfg.optim),
+                         outer(OuterSGD(lr=0.7, momentum=0.9), delayed(2, every(4, lossy_block_average()))))
+
+
+CASES: dict[str, dict] = {
+    "composed": dict(optim={"momentum": 0.9}),
+    "diloco": dict(strategy={"name": "diloco", "period": 4}, optim={"momentum": 0.9}),
+    "diloco-adamw-reliable": dict(strategy={"name": "diloco", "period": 3, "reliable": True},
+                                  optim={"name": "adamw", "lr": 0.01, "weight_decay": 0.01}),
+}
+
+
+def _config(case: str) -> RunConfig:
+    return make_config(num_workers=WORKERS, steps=16, eval_every=4, network={"drop_rate": 0.25, "compute_ms": 1.0},
+                       **CASES[case])
+
+
+def _setup(case: str):
+    setup = prepare(_config(case))
+    return dataclasses.replace(setup, strategy=composed(setup.cfg)) if case == "composed" else setup
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    from shaky.comm.dist import DistComm  # noqa: PLC0415
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS,
+                            timeout=timedelta(seconds=60))
+    comm = DistComm()
+    for case in CASES:
+        train(_setup(case), Path(out) / case, comm=comm, writer=rank == 0, progress=False)
+        dist.barrier()
+    # Every rank is told to stop before step 5; each counts what fired on it.
+    faults = FaultInjector((Fault("stop", 5),))
+    try:
+        train(prepare(_config("diloco")), Path(out) / "stopped", comm=comm, writer=rank == 0, progress=False,
+              faults=faults)
+    except InterruptedRun:
+        pass
+    (Path(out) / f"faults-{rank}.json").write_text(json.dumps({"fired_at": faults.fired_at, "checks": faults.checks,
+                                                                "fired": list(faults.fired.values())}))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("compose")
+    torch.set_num_threads(1)
+    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORKERS, start_method="spawn", join=True)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_composed_strategies_run_alike_in_the_simulator_and_on_dist(case: str, dist_runs: Path,
+                                                                   tmp_path: Path) -> None:
+    sim_dir = tmp_path / "sim"
+    train(_setup(case), sim_dir, progress=False)
+    sim_rows, dist_rows = read_metrics(sim_dir), read_metrics(dist_runs / case)
+    assert [r["step"] for r in dist_rows] == [r["step"] for r in sim_rows] == [0, 4, 8, 12, 16]
+    for s, d in zip(sim_rows, dist_rows):
+        for key in s:
+            if isinstance(s[key], float) and key != "wall_time_s":
+                assert d[key] == pytest.approx(s[key], rel=1e-5, abs=1e-5), (case, s["step"], key)
+    sim_params = torch.load(sim_dir / CHECKPOINT_FILE, weights_only=False)["params"]
+    dist_params = torch.load(dist_runs / case / CHECKPOINT_FILE, weights_only=False)["params"]
+    torch.testing.assert_close(dist_params, sim_params, atol=1e-5, rtol=1e-5)
+    assert sim_rows[-1]["messages_dropped"] > 0 or case == "diloco-adamw-reliable"
+
+
+def test_the_composed_strategy_is_not_any_registry_strategy(tmp_path: Path) -> None:
+    """The made-up composition changes the numbers: it is not silently replaced by the configured strategy."""
+    train(_setup("composed"), tmp_path / "composed", progress=False)
+    plain = _config("composed")
+    train(prepare(plain), tmp_path / "plain", progress=False)
+    a = torch.load(tmp_path / "composed" / CHECKPOINT_FILE, weights_only=False)["params"]
+    b = torch.load(tmp_path / "plain" / CHECKPOINT_FILE, weights_only=False)["params"]
+    assert not torch.allclose(a, b, atol=1e-3)
+
+
+def test_an_injected_fault_fires_once_at_its_step_on_every_rank(dist_runs: Path) -> None:
+    for rank in range(WORKERS):
+        counted = json.loads((dist_runs / f"faults-{rank}.json").read_text())
+        assert counted == {"fired_at": [["stop", 5, rank]], "checks": 6, "fired": [1]}
+
+
+def test_a_fault_for_one_rank_fires_exactly_once_at_its_step(tmp_run) -> None:
+    """The simulator is rank 0: rank 0's fault fires once, before step 7, also when the run resumes past it;
+    rank 1's never fires."""
+    mine, other = Fault("stop", 7, rank=0), Fault("stop", 3, rank=1)
+    faults = FaultInjector((mine, other))
+    cfg = make_config(steps=20, eval_every=5, checkpoint_every=5)
+    run_dir = tmp_run()
+    with pytest.raises(InterruptedRun):
+        train(prepare(cfg), run_dir, progress=False, faults=faults)
+    assert (faults.fired[mine], faults.fired[other], faults.fired_at, faults.checks) == (1, 0, [("stop", 7, 0)], 8)
+    train(prepare(cfg), run_dir, resume=True, progress=False, faults=faults)  # from step 5, through 7 again
+    assert (faults.fired[mine], faults.fired[other], faults.fired_at) == (1, 0, [("stop", 7, 0)])
+    assert faults.checks == 8 + 15
+    assert read_metrics(run_dir)[-1]["step"] == 20
+
+
+@pytest.mark.parametrize("reliable", [False, True])
+def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_bit_for_bit(reliable: bool, tmp_run) -> None:
+    base = dict(steps=40, eval_every=10, optim={"momentum": 0.9}, network={"drop_rate": 0.2, "compute_ms": 1.0})
+    _, local, local_rows = run(make_config(strategy={"name": "local-sgd", "period": 4, "reliable": reliable},
+                                           **base), tmp_run())
+    _, diloco, diloco_rows = run(make_config(strategy={"name": "diloco", "period": 4, "reliable": reliable,
+                                                       "outer_lr": 1.0, "outer_momentum": 0.0}, **base), tmp_run())
+    assert torch.equal(diloco, local)
+    assert without_wall_time(diloco_rows) == without_wall_time(local_rows)
+
+
+def _by_hand(cfg: RunConfig, inner: torch.optim.Optimizer | None = None, period: int | None = None):
+    """One worker trained with torch's own optimizers on an ordinary module: the inner optimizer every step and,
+    every ``period`` steps, torch.optim.SGD(nesterov=True) stepped on the pseudo-gradient (anchor - model)."""
+    setup = prepare(cfg)
+    model = build_model(cfg.model.name, input_shape=setup.data.input_shape, num_classes=setup.data.num_classes,
+                        seed=cfg.seed)
+    params = list(model.parameters())
+    opt = inner(params)
+    s = cfg.strategy
+    outer_opt = torch.optim.SGD(params, lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.outer_nesterov)
+    anchor = [p.detach().clone() for p in params]
+    sampler = BatchSampler(setup.shards, [0], [cfg.batch_size], cfg.seed)
+    for t in range(cfg.steps):
+        idx = sampler.indices(t)[0]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(setup.data.x_train[idx]), setup.data.y_train[idx]).backward()
+        opt.step()
+        if period is not None and (t + 1) % period == 0:
+            with torch.no_grad():
+                for p, a in zip(params, anchor):
+                    p.grad = a - p
+                    p.copy_(a)
+            outer_opt.step()
+            anchor = [p.detach().clone() for p in params]
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def test_one_worker_diloco_is_torch_sgd_with_nesterov_on_the_pseudo_gradient(tmp_run) -> None:
+    cfg = make_config(num_workers=1, steps=30, strategy={"name": "diloco", "period": 5},
+                      optim={"lr": 0.05, "momentum": 0.9}, network={"drop_rate": 0.5, "compute_ms": 1.0})
+    assert (cfg.strategy.outer_lr, cfg.strategy.outer_momentum, cfg.strategy.outer_nesterov) == (0.7, 0.9, True)
+    _, params, _ = run(cfg, tmp_run())
+    reference = _by_hand(cfg, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), period=5)
+    torch.testing.assert_close(params[0], reference, atol=1e-5, rtol=1e-5)
+    # Without the outer step the same run ends elsewhere: the test can tell the two apart.
+    assert not torch.allclose(params[0], _by_hand(cfg, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+                              atol=1e-3)
+
+
+@pytest.mark.parametrize("strategy", ["rps", "allreduce"])
+def test_one_worker_adamw_equals_torch_adamw(strategy: str, tmp_run) -> None:
+    optim = {"name": "adamw", "lr": 0.01, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6,
+             "warmup_steps": 5, "decay_steps": [20], "decay_factor": 0.5}
+    cfg = make_config(num_workers=1, steps=30, optim=optim, strategy={"name": strategy},
+                      network={"drop_rate": 0.5, "compute_ms": 1.0})
+    _, params, _ = run(cfg, tmp_run())
+
+    setup = prepare(cfg)
+    model = build_model("mlp", input_shape=setup.data.input_shape, num_classes=setup.data.num_classes, seed=cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
+    sampler = BatchSampler(setup.shards, [0], [cfg.batch_size], cfg.seed)
+    for t in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = 0.01 * min(1.0, (t + 1) / 5) * (0.5 if t >= 20 else 1.0)
+        idx = sampler.indices(t)[0]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(setup.data.x_train[idx]), setup.data.y_train[idx]).backward()
+        opt.step()
+    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(params[0], reference, atol=1e-5, rtol=1e-5)
+
+
+ENV_CHECK = """
+import os, sys
+calls = []
+sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_qualname)
+               if event == "call" and frame.f_code.co_name == "tune_allocator" else None)
+before = dict(os.environ)
+import shaky
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+model = torch.nn.Linear(4, 2)
+averager = shaky.RPSAverager(model, network={"drop_rate": 0.1})
+averager.step()
+outer = shaky.ModelAverager(model, period=2, outer_optimizer=shaky.OuterSGD())
+outer.step(); outer.step()
+dist.destroy_process_group()
+sys.setprofile(None)
+changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+print("changed:", changed, "tune_allocator calls:", calls)
+"""
+
+
+def test_import_and_averagers_leave_the_process_settings_alone() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MALLOC_"))}
+    proc = subprocess.run([sys.executable, "-c", ENV_CHECK % _free_port()], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "changed: [] tune_allocator calls: []"
+
+
+@pytest.mark.parametrize("shared_cores,policy", [(False, "None"), (True, "PASSIVE")])
+def test_the_command_line_does_tune_the_process(shared_cores: bool, policy: str) -> None:
+    """The counterpart: the CLI entry point makes the process-wide settings (so the check above can fail);
+    a torch.distributed rank, which may share the cores with other ranks, gets OpenMP's passive wait."""
+    code = ("import sys; calls = []; "
+            "sys.setprofile(lambda f, e, a: calls.append(1) if e == 'call' and f.f_code.co_name == 'tune_allocator' "
+            "else None); from shaky.cli import process_settings; import os; "
+            f"process_settings(shared_cores={shared_cores}); print(os.environ.get('OMP_WAIT_POLICY'), len(calls))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MALLOC_"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [policy, "1"]
