@@ -46,6 +46,7 @@ import tomli_w
 
 from shaky.config import RunConfig, _build, config_from_dict, load_toml, parse_value, set_dotted, to_dict
 from shaky.rundir import CHECKPOINT_FILE, CONFIG_FILE, RUN_FILES, SUMMARY_FILE, write_json
+from shaky.sweep_spec import check_sweep_spec
 
 SWEEP_FILE = "sweep.toml"
 """The resolved sweep (grid, claims, plots) saved in the sweep directory, for ``shaky report``."""
@@ -300,11 +301,9 @@ def parse_sweep(doc: dict[str, Any], name: str, source: str,
         raise bad(f"two runs of the grid get the same directory name {dup!r}; give the grid values distinct labels")
     sweep = Sweep(name, source, description, kind, base, tuple(grid.items()), tuple(claims), tuple(plots),
                   tuple(table), tuple(points), labels)
-    from shaky.report import check_sweep_spec  # noqa: PLC0415 (report validates its own sections)
-
     try:
         # A grid narrowed by --set may leave a claim or a plot without runs; the file as written may not.
-        check_sweep_spec(sweep, require_runs=not narrowed)
+        check_sweep_spec(sweep, lambda key: _known_key(key, sweep.kind), require_runs=not narrowed)
     except (ValueError, TypeError) as exc:
         raise bad(str(exc)) from None
     return sweep
