@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
 
 from shaky.config import RunConfig, config_from_dict
 from shaky.inject import Fault, FaultInjector
+from shaky.models import build_model
 from shaky.network.faults import Membership, Round
 from shaky.network.model import LinkSample
-from shaky.train import CHECKPOINT_FILE, prepare, read_metrics, train
+from shaky.train import CHECKPOINT_FILE, BatchSampler, prepare, read_metrics, train
 
 
 def make_config(**overrides: Any) -> RunConfig:
@@ -46,6 +48,39 @@ def everyone(links: LinkSample, step: int | None = None) -> Round:
 def stop_at(step: int) -> FaultInjector:
     """Faults that end a run after ``step`` steps, as a killed process would (no final checkpoint)."""
     return FaultInjector((Fault("stop", step),))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_by_hand(cfg: RunConfig, make_opt: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *,
+                  lr_at: Callable[[int], float] | None = None,
+                  after_step: Callable[[list[torch.nn.Parameter]], Callable[[int], None]] | None = None
+                  ) -> torch.Tensor:
+    """Worker 0 of ``cfg`` trained with torch's own optimizer on an ordinary module, on the batches shaky draws;
+    ``lr_at(t)`` sets step t's learning rate; ``after_step(params)``, called before the first step, gives a
+    function run after each step t. Returns the flat parameters."""
+    setup = prepare(cfg)
+    model = build_model(cfg.model.name, input_shape=setup.data.input_shape, num_classes=setup.data.num_classes,
+                        seed=cfg.seed)
+    params = list(model.parameters())
+    opt = make_opt(params)
+    after = after_step(params) if after_step is not None else None
+    sampler = BatchSampler(setup.shards, [0], [cfg.batch_size], cfg.seed)
+    for t in range(cfg.steps):
+        if lr_at is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(t)
+        idx = sampler.indices(t)[0]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(setup.data.x_train[idx]), setup.data.y_train[idx]).backward()
+        opt.step()
+        if after is not None:
+            after(t)
+    return torch.cat([p.detach().reshape(-1) for p in params])
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -23,11 +23,10 @@ import torch.multiprocessing as mp
 
 from shaky.config import RunConfig
 from shaky.inject import Fault, FaultInjector, InterruptedRun
-from shaky.models import build_model
 from shaky.strategies import SGD, AverageModels, OuterSGD, delayed, every, lossy_block_average, outer
-from shaky.train import CHECKPOINT_FILE, BatchSampler, prepare, read_metrics, train
+from shaky.train import CHECKPOINT_FILE, prepare, read_metrics, train
 
-from conftest import make_config, run, without_wall_time
+from conftest import free_port, make_config, run, train_by_hand, without_wall_time
 
 WORKERS = 2
 
@@ -57,12 +56,6 @@ def _setup(case: str):
     return dataclasses.replace(setup, strategy=composed(setup.cfg)) if case == "composed" else setup
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out: str) -> None:
     from shaky.comm.dist import DistComm  # noqa: PLC0415
 
@@ -88,7 +81,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 def dist_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compose")
     torch.set_num_threads(1)
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORKERS, start_method="spawn", join=True)
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORKERS, start_method="spawn", join=True)
     return out
 
 
@@ -152,31 +145,28 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_bit_for_bit(reliabl
     assert without_wall_time(diloco_rows) == without_wall_time(local_rows)
 
 
-def _by_hand(cfg: RunConfig, inner: torch.optim.Optimizer | None = None, period: int | None = None):
-    """One worker trained with torch's own optimizers on an ordinary module: the inner optimizer every step and,
-    every ``period`` steps, torch.optim.SGD(nesterov=True) stepped on the pseudo-gradient (anchor - model)."""
-    setup = prepare(cfg)
-    model = build_model(cfg.model.name, input_shape=setup.data.input_shape, num_classes=setup.data.num_classes,
-                        seed=cfg.seed)
-    params = list(model.parameters())
-    opt = inner(params)
+def _outer_every(cfg: RunConfig, period: int) -> Callable[[list[torch.nn.Parameter]], Callable[[int], None]]:
+    """``after_step`` for train_by_hand: every ``period`` steps, torch.optim.SGD(nesterov=True) stepped on the
+    pseudo-gradient (the model at the last outer step minus the model now), from that anchor."""
     s = cfg.strategy
-    outer_opt = torch.optim.SGD(params, lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.outer_nesterov)
-    anchor = [p.detach().clone() for p in params]
-    sampler = BatchSampler(setup.shards, [0], [cfg.batch_size], cfg.seed)
-    for t in range(cfg.steps):
-        idx = sampler.indices(t)[0]
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(setup.data.x_train[idx]), setup.data.y_train[idx]).backward()
-        opt.step()
-        if period is not None and (t + 1) % period == 0:
+
+    def make(params: list[torch.nn.Parameter]) -> Callable[[int], None]:
+        outer_opt = torch.optim.SGD(params, lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.outer_nesterov)
+        anchor = [p.detach().clone() for p in params]
+
+        def after(t: int) -> None:
+            if (t + 1) % period:
+                return
             with torch.no_grad():
                 for p, a in zip(params, anchor):
                     p.grad = a - p
                     p.copy_(a)
             outer_opt.step()
-            anchor = [p.detach().clone() for p in params]
-    return torch.cat([p.detach().reshape(-1) for p in params])
+            anchor[:] = [p.detach().clone() for p in params]
+
+        return after
+
+    return make
 
 
 def test_one_worker_diloco_is_torch_sgd_with_nesterov_on_the_pseudo_gradient(tmp_run) -> None:
@@ -184,11 +174,14 @@ def test_one_worker_diloco_is_torch_sgd_with_nesterov_on_the_pseudo_gradient(tmp
                       optim={"lr": 0.05, "momentum": 0.9}, network={"drop_rate": 0.5, "compute_ms": 1.0})
     assert (cfg.strategy.outer_lr, cfg.strategy.outer_momentum, cfg.strategy.outer_nesterov) == (0.7, 0.9, True)
     _, params, _ = run(cfg, tmp_run())
-    reference = _by_hand(cfg, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), period=5)
+
+    def sgd(p: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=0.05, momentum=0.9)
+
+    reference = train_by_hand(cfg, sgd, after_step=_outer_every(cfg, 5))
     torch.testing.assert_close(params[0], reference, atol=1e-5, rtol=1e-5)
     # Without the outer step the same run ends elsewhere: the test can tell the two apart.
-    assert not torch.allclose(params[0], _by_hand(cfg, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
-                              atol=1e-3)
+    assert not torch.allclose(params[0], train_by_hand(cfg, sgd), atol=1e-3)
 
 
 @pytest.mark.parametrize("strategy", ["rps", "allreduce"])
@@ -198,19 +191,9 @@ def test_one_worker_adamw_equals_torch_adamw(strategy: str, tmp_run) -> None:
     cfg = make_config(num_workers=1, steps=30, optim=optim, strategy={"name": strategy},
                       network={"drop_rate": 0.5, "compute_ms": 1.0})
     _, params, _ = run(cfg, tmp_run())
-
-    setup = prepare(cfg)
-    model = build_model("mlp", input_shape=setup.data.input_shape, num_classes=setup.data.num_classes, seed=cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
-    sampler = BatchSampler(setup.shards, [0], [cfg.batch_size], cfg.seed)
-    for t in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = 0.01 * min(1.0, (t + 1) / 5) * (0.5 if t >= 20 else 1.0)
-        idx = sampler.indices(t)[0]
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(setup.data.x_train[idx]), setup.data.y_train[idx]).backward()
-        opt.step()
-    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    reference = train_by_hand(cfg, lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.8, 0.99), eps=1e-6,
+                                                                weight_decay=0.05),
+                              lr_at=lambda t: 0.01 * min(1.0, (t + 1) / 5) * (0.5 if t >= 20 else 1.0))
     torch.testing.assert_close(params[0], reference, atol=1e-5, rtol=1e-5)
 
 
@@ -237,7 +220,7 @@ print("changed:", changed, "tune_allocator calls:", calls)
 
 def test_import_and_averagers_leave_the_process_settings_alone() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MALLOC_"))}
-    proc = subprocess.run([sys.executable, "-c", ENV_CHECK % _free_port()], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", ENV_CHECK % free_port()], capture_output=True, text=True,
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "changed: [] tune_allocator calls: []"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -23,7 +22,7 @@ import torch.multiprocessing as mp
 
 from shaky.train import read_metrics
 
-from conftest import make_config, run
+from conftest import free_port, make_config, run
 
 WORKERS = 4
 CASES: dict[str, dict] = {
@@ -42,12 +41,6 @@ CASES: dict[str, dict] = {
 def _config(case: str):
     return make_config(num_workers=WORKERS, steps=16, eval_every=4, network={"drop_rate": 0.25, "compute_ms": 1.0},
                        **CASES[case])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -90,7 +83,7 @@ def _exchange_results(comm, rank: int, out: Path) -> None:
 def dist_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     torch.set_num_threads(1)
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORKERS, start_method="spawn", join=True)
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORKERS, start_method="spawn", join=True)
     return out
 
 

@@ -10,27 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import make_config, run
+from conftest import free_port, make_config, run
 
 ARGS = ["--workers", "4", "--steps", "60", "--eval-every", "10", "--checkpoint-every", "10", "--quiet",
         "--set", "network.compute_ms=1.0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args: list[str], cwd: Path, fault: str = "") -> list[subprocess.Popen]:
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(4):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),

@@ -9,12 +9,10 @@ import torch
 
 from shaky.comm.sim import SimComm
 from shaky.config import NetworkConfig, OptimConfig, StrategyConfig
-from shaky.models import build_model
 from shaky.network.model import NetworkModel
 from shaky.strategies import REGISTRY, SGD
-from shaky.train import BatchSampler, prepare
 
-from conftest import everyone, make_config, run, stop_at
+from conftest import everyone, make_config, run, stop_at, train_by_hand
 
 
 @pytest.mark.parametrize("workers", [1, 4, 8])
@@ -41,19 +39,8 @@ def test_one_worker_equals_plain_sgd(strategy: str, tmp_run) -> None:
     cfg = make_config(num_workers=1, steps=30, optim=optim, strategy={"name": strategy},
                       network={"drop_rate": 0.5})
     _, params, _ = run(cfg, tmp_run())
-
-    setup = prepare(cfg)
-    model = build_model("mlp", input_shape=setup.data.input_shape, num_classes=setup.data.num_classes, seed=cfg.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    sampler = BatchSampler(setup.shards, [0], [cfg.batch_size], cfg.seed)
-    for t in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = 0.05 * min(1.0, (t + 1) / 5) * (0.5 if t >= 20 else 1.0)
-        idx = sampler.indices(t)[0]
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(setup.data.x_train[idx]), setup.data.y_train[idx]).backward()
-        opt.step()
-    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    reference = train_by_hand(cfg, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+                              lr_at=lambda t: 0.05 * min(1.0, (t + 1) / 5) * (0.5 if t >= 20 else 1.0))
     torch.testing.assert_close(params[0], reference, atol=1e-5, rtol=1e-5)
 
 
