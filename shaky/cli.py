@@ -160,6 +160,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise BadInput(str(exc)) from None
     if cfg.backend == "dist":
         return _train_dist(args, setup, run_dir)
+    _claim_run_dir(run_dir, resume=bool(args.resume))
     summary = train(setup, run_dir, resume=bool(args.resume), label=cfg.strategy.name, progress=not args.quiet,
                     faults=_faults())
     if not args.quiet:
@@ -179,14 +180,15 @@ def _faults() -> Any:
 
 
 def _checkpoint_note(run_dir: Path) -> str:
-    import torch  # noqa: PLC0415
-
-    from shaky.train import CHECKPOINT_FILE  # noqa: PLC0415
+    from shaky.rundir import CHECKPOINT_FILE, load_checkpoint  # noqa: PLC0415
 
     path = run_dir / CHECKPOINT_FILE
     if not path.exists():
         return "none yet (start again)"
-    step = torch.load(path, weights_only=False)["counters"]["step"]
+    try:
+        step = load_checkpoint(run_dir)["counters"]["step"]
+    except ValueError as exc:
+        return f"none usable ({exc})"
     return f"{path} at step {step}; resume with torchrun ... -m shaky train --resume {run_dir}"
 
 
@@ -210,6 +212,8 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     run_dir = Path(str(broadcast_object(str(run_dir))))
     setup.compute_ms = float(broadcast_object(setup.compute_ms))
     writer = comm.rank == 0
+    if writer:
+        _claim_run_dir(run_dir, resume=bool(args.resume))
     try:
         summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
                         label=cfg.strategy.name, progress=not args.quiet, faults=_faults())
@@ -255,6 +259,16 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
         else:
             run_dir = new_run_dir(_default_out(cfg))
     return cfg, run_dir
+
+
+def _claim_run_dir(run_dir: Path, *, resume: bool) -> None:
+    """This process becomes the run directory's one writer (two at once would interleave their files)."""
+    from shaky.rundir import claim_dir  # noqa: PLC0415
+
+    try:
+        claim_dir(run_dir, fresh=not resume)
+    except (ValueError, OSError) as exc:
+        raise BadInput(str(exc)) from None
 
 
 # The fourth run shows the system side of the paper: a reliable transport keeps
@@ -404,6 +418,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 raise ValueError(f"two sweep files are named {name!r}; their runs would share {str(out / name)!r}")
         plan(sweeps, out)  # refuses directories of other configs before anything is written
     except (ValueError, TypeError) as exc:
+        raise BadInput(str(exc)) from None
+    from shaky.rundir import claim_dir  # noqa: PLC0415
+
+    try:  # one sweep at a time per directory: a second would clear and rewrite runs the first is training
+        for sweep in sweeps:
+            claim_dir(out / sweep.name, fresh=not (out / sweep.name).exists(), what="sweep directory")
+    except (ValueError, OSError) as exc:
         raise BadInput(str(exc)) from None
     try:
         outcome = run_sweeps(sweeps, out, jobs=args.jobs, progress=not args.quiet, runner=execute_tuned)

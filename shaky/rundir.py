@@ -10,6 +10,9 @@ A run directory holds ``config.toml`` (the resolved config), ``shards.json``
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
+import io
 import json
 import os
 from collections.abc import Callable
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shaky.config import RunConfig, config_from_dict, load_toml, to_toml
+from shaky.config import RunConfig, config_from_dict, load_toml, to_dict, to_toml
 
 CONFIG_FILE = "config.toml"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -54,6 +57,45 @@ def new_run_dir(base: str | Path) -> Path:
     return candidate
 
 
+_HELD: dict[str, int] = {}
+"""Directories this process holds, by path: the open descriptor whose lock is the claim."""
+
+
+def claim_dir(path: str | Path, *, fresh: bool = False, what: str = "run directory") -> Path:
+    """Makes this process the one writer of ``path`` (an advisory lock, released when the process ends or by
+    :func:`release_dir`); ``fresh``: the directory is created and must be empty. ValueError in one line when
+    another process holds it, or it is not fresh."""
+    path = Path(path)
+    if fresh:
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise ValueError(f"{what} {str(path)!r} cannot be created: {str(blocker)!r} is a file")
+        path.mkdir(parents=True, exist_ok=True)
+    key = str(path.resolve())
+    if key in _HELD:
+        return path
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"{what} {str(path)!r} is in use by another shaky process; wait for it to end, "
+                         "or pick another directory") from None
+    if fresh and any(path.iterdir()):
+        os.close(fd)
+        raise ValueError(f"{what} {str(path)!r} already exists and is not empty; pick another directory or "
+                         "--resume it")
+    _HELD[key] = fd
+    return path
+
+
+def release_dir(path: str | Path) -> None:
+    """Gives up the claim :func:`claim_dir` made (a no-op if this process does not hold ``path``)."""
+    fd = _HELD.pop(str(Path(path).resolve()), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def create(run_dir: Path, cfg: RunConfig, shards: list[dict[str, Any]]) -> None:
     """A fresh run directory with the resolved config, the shard description and empty metrics."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -65,13 +107,37 @@ def create(run_dir: Path, cfg: RunConfig, shards: list[dict[str, Any]]) -> None:
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
-    """The resolved config saved in a run directory, checked that a checkpoint is there to resume."""
+    """The resolved config saved in a run directory, checked against its checkpoint before a resume: the
+    checkpoint must be whole (its checksum) and config.toml must say what the checkpoint was trained with."""
     d = Path(run_dir)
     if not (d / CONFIG_FILE).is_file():
         raise ValueError(f"resume: {str(d)!r} is not a run directory (no {CONFIG_FILE})")
     if not (d / CHECKPOINT_FILE).is_file():
         raise ValueError(f"resume: {str(d)!r} has no {CHECKPOINT_FILE} to resume from")
-    return config_from_dict(load_toml(d / CONFIG_FILE))
+    try:
+        cfg = config_from_dict(load_toml(d / CONFIG_FILE))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"resume: {d / CONFIG_FILE}: {exc}") from None
+    saved = load_checkpoint(d).get("config")
+    if not isinstance(saved, dict):
+        raise ValueError(f"resume: {d / CHECKPOINT_FILE} holds no config to check {CONFIG_FILE} against")
+    changed = _first_difference(to_dict(cfg), saved)
+    if changed is not None:
+        key, now, then = changed
+        raise ValueError(f"resume: {d / CONFIG_FILE} sets {key} = {now!r} but the checkpoint was trained with "
+                         f"{then!r}; a resume continues the same run (start a new run to change it)")
+    return cfg
+
+
+def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
+    """The first dotted key at which two nested dicts differ, with both values (None if equal)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in [*a, *(k for k in b if k not in a)]:
+            found = _first_difference(a.get(key), b.get(key), f"{prefix}{key}.")
+            if found is not None:
+                return found
+        return None
+    return None if a == b else (prefix.rstrip("."), a, b)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,15 +149,38 @@ def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The evaluations a run wrote, in order."""
+def read_metrics(run_dir: str | Path, *, trim_torn: bool = False) -> list[dict[str, Any]]:
+    """The evaluations a run wrote, in order. A line that is not JSON is an error naming the file and line,
+    except, with ``trim_torn``, a last line without its newline (a write the process did not finish)."""
     path = Path(run_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing (the run wrote no evaluations)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot be read ({exc})") from None
+    lines = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError("not a metrics row")
+        except ValueError:
+            if trim_torn and number == len(lines):  # the last line, with no newline after it: torn
+                break
+            raise ValueError(f"{path}, line {number}: not a metrics row (the file is damaged)") from None
+        rows.append(row)
+    return rows
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drops metrics lines written after the checkpoint at ``step``, so a resumed run does not repeat them."""
-    rows = [r for r in read_metrics(run_dir) if r["step"] <= step] if (run_dir / METRICS_FILE).exists() else []
+    """Drops metrics lines written after the checkpoint at ``step`` (and a torn last line), so a resumed run
+    does not repeat them."""
+    present = (run_dir / METRICS_FILE).exists()
+    rows = [r for r in read_metrics(run_dir, trim_torn=True) if r["step"] <= step] if present else []
     atomic_write(run_dir / METRICS_FILE, lambda f: f.writelines(json.dumps(r) + "\n" for r in rows))
 
 
@@ -115,17 +204,47 @@ class Counters:
     rounds_to_target: int = -1
 
 
+_CHECKPOINT_HEADER = b"shaky checkpoint 1 sha256="
+
+
 def save_checkpoint(run_dir: Path, blob: dict[str, Any]) -> None:
-    """Writes ``checkpoint.pt`` atomically (params, state, counters, config, clock)."""
+    """Writes ``checkpoint.pt`` atomically (params, state, counters, config, clock): a header line with the
+    SHA-256 of the rest, then torch.save's bytes."""
     import torch  # noqa: PLC0415 (keep this module importable without torch for report-only use)
 
-    atomic_write(run_dir / CHECKPOINT_FILE, lambda f: torch.save(blob, f), "wb")
+    buf = io.BytesIO()
+    torch.save(blob, buf)
+    payload = buf.getbuffer()
+    digest = hashlib.sha256(payload).hexdigest().encode()
+
+    def write(f: Any) -> None:
+        f.write(_CHECKPOINT_HEADER + digest + b"\n")
+        f.write(payload)
+    atomic_write(run_dir / CHECKPOINT_FILE, write, "wb")
 
 
-def load_checkpoint(run_dir: Path) -> dict[str, Any]:
+def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's contents, after checking them against the checksum they were written with
+    (ValueError naming the file when it is damaged, truncated or not a shaky checkpoint)."""
     import torch  # noqa: PLC0415
 
-    return torch.load(run_dir / CHECKPOINT_FILE, weights_only=False)
+    path = Path(run_dir) / CHECKPOINT_FILE
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    header, newline, payload = data.partition(b"\n")
+    if not newline or not header.startswith(_CHECKPOINT_HEADER):
+        raise ValueError(f"{path}: not a shaky checkpoint (empty, cut short, or written by something else)")
+    if hashlib.sha256(payload).hexdigest().encode() != header[len(_CHECKPOINT_HEADER):]:
+        raise ValueError(f"{path}: fails its checksum (the file is damaged); nothing was resumed")
+    try:
+        blob = torch.load(io.BytesIO(payload), weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, the file is unusable
+        raise ValueError(f"{path}: cannot be loaded ({type(exc).__name__})") from None
+    if not isinstance(blob, dict) or not {"params", "state", "counters"} <= set(blob):
+        raise ValueError(f"{path}: not a shaky checkpoint (params, state or counters missing)")
+    return blob
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -466,15 +466,20 @@ def _execute(task: Task) -> dict[str, Any]:
         _clear_run_dir(run_dir)
     if task.kind == "scale" and scale_cfg is not None:  # build_run returns one for kind scale
         return _execute_scale(cfg, scale_cfg, run_dir)
-    from shaky.rundir import read_summary  # noqa: PLC0415
+    from shaky.rundir import claim_dir, read_summary, release_dir  # noqa: PLC0415
     from shaky.train import prepare, train  # noqa: PLC0415
 
+    setup = prepare(cfg)
+    # The run's one writer while it trains (a `shaky train --resume` of it meanwhile is refused).
+    claim_dir(run_dir, fresh=not task.resume)
     try:
-        return train(prepare(cfg), run_dir, resume=task.resume, progress=False)
+        return train(setup, run_dir, resume=task.resume, progress=False)
     except FloatingPointError:
         # A run that diverges is a result, not a crash: train wrote its summary (diverged, where and why),
         # so the sweep counts it as finished.
         return read_summary(run_dir)
+    finally:
+        release_dir(run_dir)  # the worker process goes on to other runs
 
 
 def _execute_scale(cfg: RunConfig, scale_cfg: ScaleConfig, run_dir: Path) -> dict[str, Any]:

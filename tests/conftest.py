@@ -14,7 +14,8 @@ from shaky.inject import Fault, FaultInjector
 from shaky.models import build_model
 from shaky.network.faults import Membership, Round
 from shaky.network.model import LinkSample
-from shaky.train import CHECKPOINT_FILE, BatchSampler, prepare, read_metrics, train
+from shaky.rundir import load_checkpoint
+from shaky.train import BatchSampler, prepare, read_metrics, train
 
 
 def make_config(**overrides: Any) -> RunConfig:
@@ -32,7 +33,7 @@ def make_config(**overrides: Any) -> RunConfig:
 def run(cfg: RunConfig, run_dir: Path, **kwargs: Any) -> tuple[dict[str, Any], torch.Tensor, list[dict[str, Any]]]:
     """Trains and returns (summary, final params [W, D], metrics rows)."""
     summary = train(prepare(cfg), run_dir, progress=False, **kwargs)
-    params = torch.load(run_dir / CHECKPOINT_FILE, weights_only=False)["params"]
+    params = load_checkpoint(run_dir)["params"]
     return summary, params, read_metrics(run_dir)
 
 

@@ -24,6 +24,7 @@ import torch
 
 from shaky.cli import DEMO_RUNS, main
 from shaky.config import config_from_dict, load_toml
+from shaky.rundir import load_checkpoint
 
 SUMMARY_KEYS = ("final_test_accuracy", "final_test_loss", "final_train_loss", "consensus_distance",
                 "bytes_sent", "messages_dropped", "sim_time_s", "wall_time_s", "steps")
@@ -304,7 +305,7 @@ def test_run_shards(finished_run: tuple[Path, int, str]) -> None:
 
 def test_run_checkpoint_and_trace(finished_run: tuple[Path, int, str]) -> None:
     d, _, _ = finished_run
-    ckpt = torch.load(d / "checkpoint.pt", weights_only=False)
+    ckpt = load_checkpoint(d)
     assert ckpt["counters"]["step"] == 20
     assert ckpt["params"].shape[0] == 4
     with np.load(d / "trace.npz") as z:

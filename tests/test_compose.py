@@ -23,8 +23,9 @@ import torch.multiprocessing as mp
 
 from shaky.config import RunConfig
 from shaky.inject import Fault, FaultInjector, InterruptedRun
+from shaky.rundir import load_checkpoint
 from shaky.strategies import SGD, AverageModels, OuterSGD, delayed, every, lossy_block_average, outer
-from shaky.train import CHECKPOINT_FILE, prepare, read_metrics, train
+from shaky.train import prepare, read_metrics, train
 
 from conftest import free_port, make_config, run, train_by_hand, without_wall_time
 
@@ -96,8 +97,8 @@ def test_composed_strategies_run_alike_in_the_simulator_and_on_dist(case: str, d
         for key in s:
             if isinstance(s[key], float) and key != "wall_time_s":
                 assert d[key] == pytest.approx(s[key], rel=1e-5, abs=1e-5), (case, s["step"], key)
-    sim_params = torch.load(sim_dir / CHECKPOINT_FILE, weights_only=False)["params"]
-    dist_params = torch.load(dist_runs / case / CHECKPOINT_FILE, weights_only=False)["params"]
+    sim_params = load_checkpoint(sim_dir)["params"]
+    dist_params = load_checkpoint(dist_runs / case)["params"]
     torch.testing.assert_close(dist_params, sim_params, atol=1e-5, rtol=1e-5)
     assert sim_rows[-1]["messages_dropped"] > 0 or case == "diloco-adamw-reliable"
 
@@ -107,8 +108,8 @@ def test_the_composed_strategy_is_not_any_registry_strategy(tmp_path: Path) -> N
     train(_setup("composed"), tmp_path / "composed", progress=False)
     plain = _config("composed")
     train(prepare(plain), tmp_path / "plain", progress=False)
-    a = torch.load(tmp_path / "composed" / CHECKPOINT_FILE, weights_only=False)["params"]
-    b = torch.load(tmp_path / "plain" / CHECKPOINT_FILE, weights_only=False)["params"]
+    a = load_checkpoint(tmp_path / "composed")["params"]
+    b = load_checkpoint(tmp_path / "plain")["params"]
     assert not torch.allclose(a, b, atol=1e-3)
 
 

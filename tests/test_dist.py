@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shaky.rundir import load_checkpoint
 from shaky.train import read_metrics
 
 from conftest import free_port, make_config, run
@@ -103,7 +104,7 @@ def test_dist_backend_matches_the_simulator(case: str, dist_runs: Path, tmp_path
             if key == "wall_time_s":
                 continue
             assert _close(s[key], d[key]), (case, s["step"], key, s[key], d[key])
-    dist_params = torch.load(dist_runs / case / "checkpoint.pt", weights_only=False)["params"]
+    dist_params = load_checkpoint(dist_runs / case)["params"]
     torch.testing.assert_close(dist_params, sim_params, atol=1e-5, rtol=1e-5)
 
 

@@ -15,8 +15,9 @@ from shaky.config import FailureConfig
 from shaky.data import assign_chunks, coverage, partition
 from shaky.network.faults import FailureSchedule
 from shaky.network.model import LinkSample
+from shaky.rundir import load_checkpoint
 from shaky.setup import gradient_diversity
-from shaky.train import CHECKPOINT_FILE, BatchSampler, InterruptedRun, prepare, train
+from shaky.train import BatchSampler, InterruptedRun, prepare, train
 
 from conftest import everyone, make_config, run, stop_at
 
@@ -93,7 +94,7 @@ def test_failed_worker_is_frozen_and_rejoins_with_the_average(tmp_run) -> None:
         d = tmp_run()
         with pytest.raises(InterruptedRun):
             train(prepare(cfg), d, progress=False, faults=stop_at(stop))
-        snapshots[stop] = torch.load(d / CHECKPOINT_FILE, weights_only=False)["params"]
+        snapshots[stop] = load_checkpoint(d)["params"]
     before, during, after = snapshots[4], snapshots[8], snapshots[9]
     assert torch.equal(before[2], during[2])                     # frozen while dead
     assert not torch.equal(before[0], during[0])                 # the others train on

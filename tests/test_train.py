@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from shaky.comm.sim import SimComm
+from shaky.rundir import load_checkpoint
 from shaky.sampler import _mix, _permuted
-from shaky.train import (CHECKPOINT_FILE, SHARDS_FILE, BatchSampler, InterruptedRun, can_fuse, prepare, read_metrics,
+from shaky.train import (SHARDS_FILE, BatchSampler, InterruptedRun, can_fuse, prepare, read_metrics,
                          train, train_step)
 
 from conftest import everyone, make_config, run, stop_at, without_wall_time
@@ -50,7 +51,7 @@ def test_resume_is_bit_identical(strategy: str | dict, momentum: float | str, tm
     assert read_metrics(crashed)[-1]["step"] == 30          # evaluations after the checkpoint at 20 exist...
     resumed = train(prepare(cfg), crashed, resume=True, progress=False)
     assert [r["step"] for r in read_metrics(crashed)] == [0, 10, 20, 30, 40, 50, 60]  # ...and are not repeated
-    assert torch.equal(torch.load(crashed / CHECKPOINT_FILE, weights_only=False)["params"], params)
+    assert torch.equal(load_checkpoint(crashed)["params"], params)
     assert without_wall_time(read_metrics(crashed)) == without_wall_time(rows)
     assert {k: v for k, v in resumed.items() if k != "wall_time_s"} == \
         {k: v for k, v in whole.items() if k != "wall_time_s"}
