@@ -122,7 +122,8 @@ class MaskLog:
     def __init__(self, num_workers: int, capacity: int = 1024) -> None:
         self.num_workers = num_workers
         width = (num_workers * num_workers + 7) // 8
-        self._up = np.zeros((max(capacity, 1), width), dtype=np.uint8)
+        # Preallocated for the planned rounds (up to 65536; beyond, append doubles it).
+        self._up = np.zeros((min(max(capacity, 1), 1 << 16), width), dtype=np.uint8)
         self._down = np.zeros_like(self._up)
         self.rounds = 0
 
