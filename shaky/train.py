@@ -170,6 +170,9 @@ def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: MaskLog
     if resume:
         ckpt = load_checkpoint(run_dir)
         counters = Counters(**ckpt["counters"])
+        if "compute_ms" in ckpt:  # the run's own compute time, not a new measurement: its clock goes on alike
+            setup.compute_ms = float(ckpt["compute_ms"])
+            clock.compute_s = setup.compute_ms / 1e3
         # Exchanges still in flight at the checkpoint arrive after the resume as they would have without it.
         clock.state = ckpt.get("clock") or ClockState(counters.step, counters.sim_time_s, counters.sim_time_s)
         for r in range(counters.step):
@@ -193,6 +196,7 @@ def _checkpoint(setup: Setup, run_dir: Path, comm: Comm, params: torch.Tensor, s
     if writer:
         save_checkpoint(run_dir, {
             "params": full_params, "state": full_state, "config": to_dict(setup.cfg), "clock": clock.state,
+            "compute_ms": setup.compute_ms,
             "counters": {**vars(counters), "wall_time_s": counters.wall_time_s + time.perf_counter() - t_start}})
         save_trace(run_dir, masks.packed(), setup.cfg.num_workers)
 

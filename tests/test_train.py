@@ -57,6 +57,25 @@ def test_resume_is_bit_identical(strategy: str | dict, momentum: float | str, tm
         {k: v for k, v in whole.items() if k != "wall_time_s"}
 
 
+def test_a_resumed_run_keeps_its_measured_compute_time(tmp_run, monkeypatch) -> None:
+    """With compute time measured (network.compute_ms < 0), a resume uses the run's own measurement, not a new
+    one: the simulated time and the summary are those of the run never interrupted."""
+    import shaky.setup  # noqa: PLC0415
+
+    cfg = make_config(steps=40, eval_every=10, checkpoint_every=20, network={"compute_ms": -1.0, "drop_rate": 0.1})
+    whole, _, rows = run(cfg, tmp_run())
+    crashed = tmp_run()
+    with pytest.raises(InterruptedRun):
+        train(prepare(cfg), crashed, progress=False, faults=stop_at(30))
+    # This process would now measure another compute time (a busier machine): the resume must not use it.
+    monkeypatch.setattr(shaky.setup, "_COMPUTE_MS", {k: 3 * v for k, v in shaky.setup._COMPUTE_MS.items()})
+    assert prepare(cfg).compute_ms == 3 * whole["compute_ms"]
+    resumed = train(prepare(cfg), crashed, resume=True, progress=False)
+    assert without_wall_time(read_metrics(crashed)) == without_wall_time(rows)
+    assert {k: v for k, v in resumed.items() if k != "wall_time_s"} == \
+        {k: v for k, v in whole.items() if k != "wall_time_s"}
+
+
 def test_metrics_and_shards_are_recorded(tmp_run) -> None:
     run_dir = tmp_run()
     cfg = make_config(num_workers=4, steps=20, eval_every=10, data={"partition": "dirichlet", "dirichlet_alpha": 0.1},
