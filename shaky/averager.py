@@ -72,7 +72,10 @@ class ModelAverager:
         self.exchange = lossy_block_average()
         self.members = Membership.everyone(self.comm.num_workers)
         self.outer = outer_optimizer
-        self.outer_state: OuterState | None = None
+        # The anchor of the first outer step: the model as it is now, before any local step (construct the
+        # averager before training, as torch's averagers are).
+        self.outer_state: OuterState | None = None if outer_optimizer is None else \
+            outer_optimizer.init(parameters_to_vector(self.params).detach()[None])
         self.steps = 0
         self.rounds = 0
         self.bytes_sent = 0
@@ -87,8 +90,6 @@ class ModelAverager:
         if not self.schedule.launches(step):
             return
         vec = parameters_to_vector(self.params)[None]
-        if self.outer is not None and self.outer_state is None:
-            self.outer_state = self.outer.init(vec)  # the model the first local steps started from
         if self.schedule.in_warmup(step):
             averaged = self.comm.mean(vec)
             if self.outer is not None:  # warm-up averages exactly; the outer step starts after it
@@ -98,7 +99,7 @@ class ModelAverager:
             averaged, _, stats = self.exchange(vec, self.comm, Round(self.rounds, links, self.members), ())
             self.rounds += 1
             self._count(stats)
-            if self.outer is not None and self.outer_state is not None:
+            if self.outer is not None and self.outer_state is not None:  # (not None together: for the type checker)
                 averaged, self.outer_state = self.outer.update(averaged, self.outer_state)
         vector_to_parameters(averaged[0], self.params)
 

@@ -6,7 +6,9 @@ gather those fields, a resume slices them, and a dead worker's rows of them are
 kept unchanged. ``SYNC_ON_REJOIN`` names the fields that a rejoining worker takes
 from the live workers' average (as it takes their average model). Fields that
 are themselves stage states are walked by their own declarations; anything else
-(a step count, a number) passes through untouched.
+(a step count, a number) passes through untouched. An exchange still in flight
+in a declared field (a handle other than ``Done``) is waited for and walked as
+its result: a checkpoint stores what the exchange delivers, never the exchange.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from shaky.comm.base import Done
 
 WORKER_AXIS = "WORKER_AXIS"
 SYNC_ON_REJOIN = "SYNC_ON_REJOIN"
@@ -26,6 +30,7 @@ def _is_state(value: Any) -> bool:
 
 def _all(value: Any, fn: Callable[..., Any], others: tuple[Any, ...]) -> Any:
     """``fn`` over every tensor of a declared field (a tensor, None, a tuple of them, a nested state)."""
+    value, others = _settled(value), tuple(_settled(o) for o in others)
     if isinstance(value, torch.Tensor):
         return fn(value, *others)
     if _is_state(value):
@@ -33,6 +38,11 @@ def _all(value: Any, fn: Callable[..., Any], others: tuple[Any, ...]) -> Any:
     if isinstance(value, tuple):
         return tuple(_all(v, fn, tuple(o[k] for o in others)) for k, v in enumerate(value))
     return value
+
+
+def _settled(value: Any) -> Any:
+    """A handle still in flight as its result (a ``Done``); anything else as it is."""
+    return value if isinstance(value, Done) or not callable(getattr(value, "wait", None)) else Done(value.wait())
 
 
 def _walk(state: Any, fn: Callable[..., Any], others: tuple[Any, ...], attr: str) -> Any:
