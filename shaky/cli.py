@@ -481,7 +481,7 @@ def process_settings(*, shared_cores: bool = False) -> None:
       ``OMP_WAIT_POLICY=PASSIVE`` unless set, since OpenMP threads that spin while they wait take the cores
       from the other processes' working threads (a 2-3x slowdown measured with two runs on two cores).
       Otherwise OpenMP's own default (spin briefly, then sleep): for a run that has the machine to itself
-      it is 1.3-1.4x faster a step than PASSIVE (an MLP on digits at W = 16 and 64), where waking a
+      it is 1.2-1.4x faster a step than PASSIVE (an MLP on digits at W = 16 and 64), where waking a
       sleeping thread costs tens of microseconds per parallel region. ``shaky sweep`` runs one
       single-threaded process per core, where the policy does not matter.
     * glibc malloc keeps freed memory: every step allocates and frees the same large tensors, and

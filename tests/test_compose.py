@@ -152,6 +152,19 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_bit_for_bit(reliabl
     assert without_wall_time(diloco_rows) == without_wall_time(local_rows)
 
 
+def test_a_rejoining_worker_takes_the_live_workers_outer_anchor(tmp_run) -> None:
+    """Worker 1 dies at step 4 and rejoins at step 12; outer steps end steps 3, 7, 11. With the exact mean, every
+    live worker's anchor is the same after an outer step, and the rejoining worker must take it (with the average
+    model), not keep the anchor of step 3: its next pseudo-gradient would span 8 steps of other workers' work."""
+    cfg = make_config(steps=14, eval_every=7, failures=[{"worker": 1, "step": 4, "rejoin": 12}],
+                      strategy={"name": "diloco", "period": 4, "reliable": True}, network={"drop_rate": 0.0})
+    run_dir = tmp_run()
+    run(cfg, run_dir)
+    anchor = load_checkpoint(run_dir)["state"].exchange.outer.anchor
+    torch.testing.assert_close(anchor[1], anchor[0], atol=1e-6, rtol=0)
+    assert torch.equal(anchor[0], anchor[2]) and torch.equal(anchor[0], anchor[3])
+
+
 def _outer_every(cfg: RunConfig, period: int) -> Callable[[list[torch.nn.Parameter]], Callable[[int], None]]:
     """``after_step`` for train_by_hand: every ``period`` steps, torch.optim.SGD(nesterov=True) stepped on the
     pseudo-gradient (the model at the last outer step minus the model now), from that anchor."""

@@ -179,6 +179,7 @@ class OuterState(NamedTuple):
     """[w, D]: the outer heavy-ball buffer; None without momentum."""
 
     WORKER_AXIS = ("anchor", "momentum")
+    SYNC_ON_REJOIN = ("anchor", "momentum")  # a rejoining worker starts from the live workers' last outer step
 
 
 class OuterSGD:
