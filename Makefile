@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Sleeping OpenMP waiters: spinning ones slow everything 20x as soon as two processes share the cores.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test reproduce install clean
+.PHONY: demo test test-kill reproduce install clean
 
 $(BIN)/shaky: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: $(BIN)/shaky
 
 test: $(BIN)/shaky
 	$(BIN)/python -m pytest
+
+# A run and a sweep stopped by SIGINT, SIGTERM and SIGKILL at 20 random moments each, resumed every time,
+# compared with the uninterrupted ones (several minutes; tests/test_kill.py).
+test-kill: $(BIN)/shaky
+	$(BIN)/python -m pytest -m kill
 
 # Every claim in experiments/*.toml: run the sweeps (finished runs are kept, so an
 # interrupted reproduce resumes), then write REPRODUCTION.md and its plots in docs/reproduction.

@@ -8,34 +8,46 @@ with status 2, before any run directory is created.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import tempfile
 import typing
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
+
+from shaky.config import MAX_SCALE_PERIOD  # no torch: process_settings must come before torch loads
 
 EXIT_BAD_INPUT = 2
 
 # CLI flag -> dotted config key. Every other setting is reachable with --set KEY=VALUE.
 _FLAGS: dict[str, tuple[str, type, str]] = {
-    "strategy": ("strategy.name", str, "allreduce, lossy-allreduce, rps, local-sgd, ri-sgd, dts or diloco"),
-    "workers": ("num_workers", int, "number of workers W"),
-    "drop_rate": ("network.drop_rate", float, "probability that a message is lost, in [0, 1)"),
-    "preset": ("network.preset", str, "network preset: lan, lossy or geo4"),
-    "dataset": ("data.dataset", str, "digits, iris, wine, breast_cancer, mnist1d, cifar10, text"),
-    "data_path": ("data.path", str, "CIFAR-10 directory or label<TAB>text file"),
-    "partition": ("data.partition", str, "iid or dirichlet"),
-    "model": ("model.name", str, "logreg, mlp, cnn, resnet20..resnet110, lstm"),
-    "steps": ("steps", int, "training steps"),
-    "batch_size": ("batch_size", int, "mini-batch size per worker"),
-    "lr": ("optim.lr", float, "learning rate"),
-    "momentum": ("optim.momentum", float, "momentum"),
-    "seed": ("seed", int, "seed of every random choice"),
-    "eval_every": ("eval_every", int, "evaluate every N steps"),
-    "checkpoint_every": ("checkpoint_every", int, "write a checkpoint every N steps"),
+    "strategy": ("strategy.name", str,
+                 "allreduce, lossy-allreduce, rps, local-sgd, ri-sgd, dts or diloco (default rps)"),
+    "workers": ("num_workers", int, "number of workers W (default 8)"),
+    "drop_rate": ("network.drop_rate", float,
+                  "probability that a message is lost, in [0, 1) (default 0, or the preset's)"),
+    "preset": ("network.preset", str, "network preset: lan, lossy or geo4 (none by default: lan's values)"),
+    "dataset": ("data.dataset", str,
+                "digits, iris, wine, breast_cancer, mnist1d, cifar10 or text (default digits)"),
+    "data_path": ("data.path", str,
+                  "cifar10: a directory in CIFAR-10's python batch format; text: a file of label<TAB>text lines"),
+    "partition": ("data.partition", str, "iid, dirichlet or label-skew (default iid)"),
+    "model": ("model.name", str,
+              "logreg, mlp, cnn, resnet20, resnet32, resnet44, resnet56, resnet110 or lstm (default mlp)"),
+    "steps": ("steps", int, "training steps (default 600)"),
+    "batch_size": ("batch_size", int, "mini-batch size per worker (default 32)"),
+    "lr": ("optim.lr", float, "peak learning rate of every worker's optimizer (default 0.1)"),
+    "momentum": ("optim.momentum", float, "sgd's heavy-ball momentum, in [0, 1) (default 0)"),
+    "seed": ("seed", int, "seed of every random choice (default 0)"),
+    "eval_every": ("eval_every", int, "evaluate every N steps and at the end (default 50)"),
+    "checkpoint_every": ("checkpoint_every", int, "write a checkpoint every N steps (default 500; 0 = only the "
+                         "final one and the one written when Ctrl-C or SIGTERM stops the run)"),
     "replay_trace": ("network.trace", str, "run directory whose delivery masks are replayed"),
-    "backend": ("backend", str, "sim (one process) or dist (one worker per torchrun process)"),
+    "backend": ("backend", str,
+                "sim (all workers in this process, the default) or dist (one worker per torchrun process)"),
 }
 
 
@@ -65,9 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
     train.add_argument("--quiet", action="store_true", help="no progress output")
 
-    demo = sub.add_parser("demo", help="MLP on digits, 8 workers: allreduce, rps and lossy-allreduce at drop 0.1")
-    demo.add_argument("--out", metavar="DIR", default="runs/demo", help="where runs, table and plot go")
-    demo.add_argument("--steps", type=int, default=600, help="training steps per run")
+    demo = sub.add_parser("demo", help="MLP on digits, 8 workers, 4 runs: allreduce at drop 0 and at drop 0.1, "
+                          "rps and lossy-allreduce at drop 0.1")
+    demo.add_argument("--out", metavar="DIR", default="runs/demo",
+                      help="where runs, table and plot go (default runs/demo)")
+    demo.add_argument("--steps", type=int, default=600, help="training steps per run (default 600)")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
 
     scale = sub.add_parser("scale", help="scalability of allreduce, local-sgd and dts from the simulated clock alone",
@@ -155,14 +169,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg, run_dir = _train_config(args)
-        setup = prepare(cfg)
+        setup = prepare(cfg, measure=cfg.backend != "dist")  # dist: rank 0 measures alone (_train_dist)
     except (ValueError, TypeError) as exc:
         raise BadInput(str(exc)) from None
     if cfg.backend == "dist":
         return _train_dist(args, setup, run_dir)
     _claim_run_dir(run_dir, resume=bool(args.resume))
-    summary = train(setup, run_dir, resume=bool(args.resume), label=cfg.strategy.name, progress=not args.quiet,
-                    faults=_faults())
+    with _stopping(run_dir, "shaky train"):
+        summary = train(setup, run_dir, resume=bool(args.resume), label=cfg.strategy.name,
+                        progress=not args.quiet, faults=_faults())
     if not args.quiet:
         print(json.dumps(summary, indent=2))
     print(f"run directory: {run_dir}")
@@ -179,17 +194,42 @@ def _faults() -> Any:
         raise BadInput(str(exc)) from None
 
 
-def _checkpoint_note(run_dir: Path) -> str:
+class Stop(Exception):
+    """A command that ends early on purpose or for want of room, with its one line and exit status."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _stopping(run_dir: Path, command: str, *, writer: bool = True) -> Iterator[None]:
+    """Turns a run that stops early into one line saying what was kept and how to go on (see shaky.interrupt)."""
+    from shaky.interrupt import Stopped  # noqa: PLC0415
+    from shaky.rundir import WriteError  # noqa: PLC0415
+
+    try:
+        yield
+    except Stopped as exc:
+        raise Stop(f"{exc}; `{command} --resume {run_dir}` continues from there and ends as the uninterrupted "
+                   "run would" if writer else "", exc.exit_code) from None
+    except KeyboardInterrupt:
+        raise Stop(f"interrupted at once; last checkpoint: {_checkpoint_note(run_dir, command)}", 130) from None
+    except WriteError as exc:
+        raise Stop(f"error: {exc}; last checkpoint: {_checkpoint_note(run_dir, command)}", 1) from None
+
+
+def _checkpoint_note(run_dir: Path, command: str = "torchrun ... -m shaky train") -> str:
     from shaky.rundir import CHECKPOINT_FILE, load_checkpoint  # noqa: PLC0415
 
     path = run_dir / CHECKPOINT_FILE
     if not path.exists():
-        return "none yet (start again)"
+        return f"none yet (`{command} --resume {run_dir}` starts the run again from step 0)"
     try:
         step = load_checkpoint(run_dir)["counters"]["step"]
     except ValueError as exc:
         return f"none usable ({exc})"
-    return f"{path} at step {step}; resume with torchrun ... -m shaky train --resume {run_dir}"
+    return f"{path} at step {step}; resume with `{command} --resume {run_dir}`"
 
 
 def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
@@ -204,19 +244,24 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         init_from_env(cfg.dist_timeout_s)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
-    comm = DistComm()
+    comm = DistComm(heartbeat=True)
     if comm.num_workers != cfg.num_workers:
         raise BadInput(f"num_workers is {cfg.num_workers} but torchrun started {comm.num_workers} processes; "
                        "they must match (one worker per process)")
     # Every rank must agree on what rank 0 decided or measured.
     run_dir = Path(str(broadcast_object(str(run_dir))))
+    if comm.rank == 0 and setup.compute_ms < 0:  # the machine's cached measurement, as the simulator uses
+        from shaky.setup import measured_compute_ms  # noqa: PLC0415
+
+        setup.compute_ms = measured_compute_ms(setup)
     setup.compute_ms = float(broadcast_object(setup.compute_ms))
     writer = comm.rank == 0
     if writer:
         _claim_run_dir(run_dir, resume=bool(args.resume))
     try:
-        summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
-                        label=cfg.strategy.name, progress=not args.quiet, faults=_faults())
+        with _stopping(run_dir, "torchrun ... -m shaky train", writer=writer):
+            summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
+                            label=cfg.strategy.name, progress=not args.quiet, faults=_faults())
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
         dist.barrier()
     except (RuntimeError, dist.DistBackendError) as exc:
@@ -227,6 +272,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
               f"last checkpoint: {_checkpoint_note(run_dir)}", file=sys.stderr)
         return 3
     finally:
+        comm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     if writer:
@@ -284,13 +330,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise BadInput(f"--steps must be >= 1, got {args.steps}")
-    out = new_run_dir(args.out)
+    given = Path(args.out)
+    if given.exists() and not given.is_dir():
+        raise BadInput(f"--out {args.out!r} is a file; name a directory (an existing one gets a fresh sibling, "
+                       f"{given.name}-1)")
+    out = new_run_dir(given)
+    _check_writable("--out", out, directory=True)
     base = {"num_workers": 8, "steps": args.steps, "data": {"dataset": "digits"}, "model": {"name": "mlp"},
             "optim": {"lr": 0.1}, "eval_every": max(1, args.steps // 20), "network": {"preset": "lossy"}}
+    try:  # every run's config is checked before the first one starts
+        cfgs = [config_from_dict({**base, "strategy": {"name": strategy},
+                                  "network": {**base["network"], "drop_rate": drop}})
+                for _, strategy, drop in DEMO_RUNS]
+    except (ValueError, TypeError) as exc:
+        raise BadInput(f"--steps {args.steps}: {exc}") from None
     summaries, runs = [], []
-    for name, strategy, drop in DEMO_RUNS:
-        cfg = config_from_dict({**base, "strategy": {"name": strategy},
-                                "network": {**base["network"], "drop_rate": drop}})
+    for (name, strategy, drop), cfg in zip(DEMO_RUNS, cfgs):
         run_dir = out / f"{strategy}-drop{drop:g}"
         summaries.append((name, train(prepare(cfg), run_dir, label=name, progress=not args.quiet)))
         runs.append((name, run_dir))
@@ -304,6 +359,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 MAX_SCALE_WORKERS = 256
+MAX_SCALE_PARAMS = 1e12
+"""A trillion float32 values (4 TB) per message: beyond any model, and what the traffic model can size."""
 
 
 def _scale_network(args: argparse.Namespace) -> tuple[dict[str, Any], int | None]:
@@ -343,10 +400,14 @@ def _scale_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], int, list[i
     # The clock holds a W x W matrix for each of a ring's 2(W-1) hops: 256 workers already take 270 MB.
     in_range = f"in [1, {MAX_SCALE_WORKERS}]"
     checks = [("--workers", workers, 1 <= workers <= MAX_SCALE_WORKERS, in_range),
-              ("--params", args.params, 1 <= args.params < float("inf"), "a number >= 1"),
+              ("--params", args.params, 1 <= args.params <= MAX_SCALE_PARAMS, f"in [1, {MAX_SCALE_PARAMS:g}]"),
               ("--compute-ms", args.compute_ms, 0 < args.compute_ms < float("inf"), "a positive number"),
               ("--delay", args.delay, args.delay is None or args.delay >= 1, ">= 1"),
-              ("--period", args.period, args.period is None or args.period >= 1, ">= 1")]
+              ("--period", args.period, args.period is None or args.period >= 1, ">= 1"),
+              ("--delay", args.delay, args.delay is None or args.delay <= MAX_SCALE_PERIOD,
+               f"at most {MAX_SCALE_PERIOD}"),
+              ("--period", args.period, args.period is None or args.period <= MAX_SCALE_PERIOD,
+               f"at most {MAX_SCALE_PERIOD}")]
     checks += [("--worker-counts", w, 1 <= w <= MAX_SCALE_WORKERS, in_range) for w in counts]
     checks += [("--latencies-ms", v, 0 <= v < float("inf"), "a number >= 0") for v in latencies]
     for flag, value, ok, expected in checks:
@@ -357,6 +418,14 @@ def _scale_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], int, list[i
     if out.is_dir() or blocker is not None:
         raise BadInput(f"--out {str(out)!r} cannot be written: {str(blocker or out)!r} is "
                        f"{'a file' if blocker else 'a directory'}")
+    # The plot's format follows the name; a table goes beside it as .md, so the name must say .png.
+    if out.suffix.lower() != ".png":
+        raise BadInput(f"--out must name a .png file (the Markdown table goes beside it, as "
+                       f"{out.with_suffix('.md').name}), got {str(out)!r}")
+    _check_writable("--out", out, directory=False)
+    if out.with_suffix(".md").is_dir():
+        raise BadInput(f"--out {str(out)!r}: its table would go to {str(out.with_suffix('.md'))!r}, a directory")
+    _check_writable("--out", out.with_suffix(".md"), directory=False)
     return values, workers, counts, latencies, out
 
 
@@ -374,6 +443,10 @@ def cmd_scale(args: argparse.Namespace) -> int:
     recommended = scale.recommended_period(base, work)
     delay = args.delay if args.delay is not None else recommended
     period = args.period if args.period is not None else delay
+    if max(delay, period) > MAX_SCALE_PERIOD:  # only the recommended value can be here: the flags were checked
+        raise BadInput(f"the recommended t = d = {recommended} (one exchange over --compute-ms "
+                       f"{args.compute_ms:g}) is above {MAX_SCALE_PERIOD}; give --delay and --period, or a larger "
+                       "--compute-ms")
     sweeps = [scale.sweep_latency(values, workers, latencies, work, period=period, delay=delay),
               scale.sweep_workers(values, counts, work, period=period, delay=delay)]
     net = base.network
@@ -402,8 +475,37 @@ def _no_file_below(flag: str, path: Path) -> None:
         raise BadInput(f"{flag} {str(path)!r} cannot be created: {str(blocker)!r} is a file")
 
 
+def _check_writable(flag: str, path: Path, *, directory: bool) -> None:
+    """BadInput unless files can be written at ``path`` (a directory, or a file that may replace one there).
+
+    Permission bits do not tell (root ignores them; a read-only mount or /proc does not), so this tries:
+    it creates what is missing of the directory and a probe file in it, then removes all of it again,
+    leaving the file system as it was.
+    """
+    _no_file_below(flag, path if directory else path.parent)
+    if not directory and path.is_dir():
+        raise BadInput(f"{flag} {str(path)!r} is a directory; name a file")
+    folder = path if directory else path.parent
+    created: list[Path] = []
+    try:
+        for p in reversed([folder, *folder.parents]):
+            if not p.exists():
+                p.mkdir()
+                created.append(p)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".shaky-probe-")
+        os.close(fd)
+        os.unlink(probe)
+        if not directory and path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise BadInput(f"{flag} {str(path)!r} cannot be written: {exc.strerror or exc}") from None
+    finally:
+        for p in reversed(created):
+            p.rmdir()
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from shaky.sweep import execute_tuned, load_sweep, parse_overrides, plan, run_sweeps  # noqa: PLC0415
+    from shaky.sweep import check_setups, execute_tuned, load_sweep, parse_overrides, plan, run_sweeps  # noqa: PLC0415
 
     if args.jobs is not None and args.jobs < 1:
         raise BadInput(f"--jobs must be >= 1, got {args.jobs}")
@@ -416,7 +518,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"two sweep files are named {name!r}; their runs would share {str(out / name)!r}")
-        plan(sweeps, out)  # refuses directories of other configs before anything is written
+        tasks, _ = plan(sweeps, out)  # refuses directories of other configs before anything is written
+        check_setups(tasks)
     except (ValueError, TypeError) as exc:
         raise BadInput(str(exc)) from None
     from shaky.rundir import claim_dir  # noqa: PLC0415
@@ -426,11 +529,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             claim_dir(out / sweep.name, fresh=not (out / sweep.name).exists(), what="sweep directory")
     except (ValueError, OSError) as exc:
         raise BadInput(str(exc)) from None
+    from shaky.interrupt import Stopped, raising  # noqa: PLC0415
+
+    resume = "the runs under way wrote checkpoints; run the same command again to resume (finished runs are kept)"
     try:
-        outcome = run_sweeps(sweeps, out, jobs=args.jobs, progress=not args.quiet, runner=execute_tuned)
+        with raising():
+            outcome = run_sweeps(sweeps, out, jobs=args.jobs, progress=not args.quiet, runner=execute_tuned)
     except KeyboardInterrupt:
-        print("shaky: interrupted; run the same command again to resume (finished runs are kept)", file=sys.stderr)
-        return 130
+        raise Stop(f"interrupted; {resume}", 130) from None
+    except Stopped as exc:
+        raise Stop(f"sweep stopped by {signal.Signals(exc.signum).name}; {resume}", exc.exit_code) from None
     for name, error in outcome.failed:
         print(f"shaky: run failed: {name}: {error}", file=sys.stderr)
     print(f"sweep: {outcome.ran} runs done, {outcome.skipped} already finished, {len(outcome.failed)} failed, "
@@ -456,6 +564,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         _no_file_below("--reproduction", reproduction.parent)
         if reproduction.is_dir():
             raise BadInput(f"--reproduction {str(reproduction)!r} is a directory; name a .md file")
+        _check_writable("--reproduction", reproduction, directory=False)
+    _check_writable("--out", out, directory=True)
     try:
         result = write_report(dirs, out, reproduction)
     except (ValueError, TypeError) as exc:
@@ -507,15 +617,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "report": cmd_report}[args.command](args)
     except BadInput as exc:
         # Every user-input check runs before a run directory exists; errors
-        # raised later are bugs and keep their traceback.
-        print(f"shaky: error: {exc}", file=sys.stderr)
+        # raised later are bugs and keep their traceback. Under torchrun every rank finds the same bad
+        # input: rank 0 says it, once.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"shaky: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Stop as exc:
+        if str(exc):
+            print(f"shaky: {exc}", file=sys.stderr)
+        return exc.code
     except FloatingPointError as exc:
         print(f"shaky: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("shaky: interrupted; resume with --resume from the last checkpoint", file=sys.stderr)
+    except KeyboardInterrupt:  # a run that was under way says more (see _stopping)
+        print("shaky: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # no space left, a read-only directory: where, in one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"shaky: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

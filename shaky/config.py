@@ -37,6 +37,33 @@ STRATEGIES = tuple(STRATEGY_OPTIONS)
 OPTIMIZERS = ("sgd", "adamw")
 BACKENDS = ("sim", "dist")
 DTYPES = ("float32", "float64")
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_STEPS = 10**9
+"""Upper bound on steps: a billion steps is weeks of training even for the smallest model here, so a larger
+value is a typo (and counters, schedules and traces are sized for it)."""
+MAX_DELAY = 4096
+"""Upper bound on strategy.delay: every step of delay keeps one more exchange ([W, D]) in flight in memory."""
+MAX_HIDDEN = 8192
+"""Upper bound on model.hidden: an mlp holds hidden^2 parameters per worker (8192: 67M, 256 MB each)."""
+MAX_LEN = 4096
+"""Upper bound on data.max_len: the lstm steps through every token position of every sentence, padding included."""
+
+
+def models_for(dataset: str) -> tuple[str, ...]:
+    """The models that can read ``dataset``'s samples (``RunConfig`` refuses the others before any work).
+
+    Text samples are token ids, which only the lstm embeds; every other data set holds features, which
+    logreg, mlp and cnn read in any shape, and a ResNet only as images: (C, H, W), or a square number of
+    features (digits is 8 x 8, iris 2 x 2).
+    """
+    from shaky.data import SAMPLE_SHAPES  # noqa: PLC0415 (data imports torch; keep config light)
+    from shaky.models import MODELS  # noqa: PLC0415
+
+    shape = SAMPLE_SHAPES.get(dataset)
+    if shape is None:  # token ids
+        return ("lstm",)
+    images = len(shape) == 3 or math.isqrt(math.prod(shape)) ** 2 == math.prod(shape)
+    return tuple(m for m in MODELS if m != "lstm" and (images or not m.startswith("resnet")))
 
 
 def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False,
@@ -67,6 +94,10 @@ def _check_scalar_or_matrix(name: str, value: float | Matrix, lo: float, hi: flo
         _check_range(name, value, lo, hi, lo_open=lo_open, hi_open=hi_open)
 
 
+MAX_SCALE_PERIOD = 1000
+"""The largest t or d (given or recommended) that ``shaky scale`` and scale sweeps price: the clock simulates
+100 periods per point, so its time grows with them (1000 takes seconds)."""
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     dataset: str = "digits"
@@ -87,13 +118,18 @@ class DataConfig:
 
         _check_choice("data.dataset", self.dataset, DATASETS)
         _check_choice("data.partition", self.partition, PARTITIONS)
-        _check_range("data.dirichlet_alpha", self.dirichlet_alpha, 0.0, math.inf, lo_open=True)
+        _check_range("data.dirichlet_alpha", self.dirichlet_alpha, 0.0, math.inf, lo_open=True, hi_open=True)
         _check_range("data.test_fraction", self.test_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
         if self.max_len < 1:
             raise ValueError(f"data.max_len must be >= 1, got {self.max_len}")
+        if self.max_len > MAX_LEN:
+            raise ValueError(f"data.max_len must be at most {MAX_LEN}, got {self.max_len}")
         if self.dataset in ("cifar10", "text") and not self.path:
             raise ValueError(f"data.path must name a local {'directory' if self.dataset == 'cifar10' else 'file'} "
                              f"for dataset {self.dataset}; got ''")
+        if self.path and self.dataset not in ("cifar10", "text"):
+            raise ValueError(f"data.path applies only to the cifar10 and text data sets; dataset {self.dataset} "
+                             f"reads no file (got path {self.path!r})")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,6 +145,8 @@ class ModelConfig:
         _check_choice("model.name", self.name, MODELS)
         if self.hidden < 0:
             raise ValueError(f"model.hidden must be >= 0, got {self.hidden}")
+        if self.hidden > MAX_HIDDEN:
+            raise ValueError(f"model.hidden must be at most {MAX_HIDDEN}, got {self.hidden}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -185,6 +223,8 @@ class StrategyConfig:
         for name in ("period", "redundancy", "delay"):
             if getattr(self, name) < 1:
                 raise ValueError(f"strategy.{name} must be >= 1, got {getattr(self, name)}")
+        if self.delay > MAX_DELAY:
+            raise ValueError(f"strategy.delay must be at most {MAX_DELAY}, got {self.delay}")
         _check_range("strategy.outer_lr", self.outer_lr, 0.0, math.inf, lo_open=True, hi_open=True)
         _check_range("strategy.outer_momentum", self.outer_momentum, 0.0, 1.0, hi_open=True)
         # One rule for every strategy: a setting away from its default must be one the strategy reads.
@@ -290,8 +330,9 @@ class RunConfig:
     """Worker failures: [[failures]] tables with worker, step and an optional rejoin step."""
     eval_every: int = 50
     """Evaluate (and write a metrics.jsonl line) every this many steps, and at the end."""
-    checkpoint_every: int = 0
-    """Write a resumable checkpoint every this many steps (0 = only at the end)."""
+    checkpoint_every: int = 500
+    """Write a resumable checkpoint every this many steps (0 = only the final one and the one written when
+    SIGINT or SIGTERM stops the run; a SIGKILL then loses everything since the start)."""
     backend: str = "sim"
     """sim: all workers in this process; dist: one worker per process, started by torchrun (gloo)."""
     dist_timeout_s: float = 60.0
@@ -310,6 +351,8 @@ class RunConfig:
         for name in ("steps", "batch_size", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps > MAX_STEPS:
+            raise ValueError(f"steps must be at most {MAX_STEPS} (a billion), got {self.steps}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _check_choice("backend", self.backend, BACKENDS)
@@ -324,6 +367,23 @@ class RunConfig:
             raise ValueError(f"strategy.redundancy (q = {self.strategy.redundancy}) must be at most "
                              f"num_workers (p = {self.num_workers}): there are only p data chunks")
         _check_choice("dtype", self.dtype, DTYPES)
+        if self.dtype == "float32":  # torch refuses a scalar factor that overflows the tensors' dtype
+            for name, value in (("optim.lr", self.optim.lr), ("optim.weight_decay", self.optim.weight_decay),
+                                ("optim.eps", self.optim.eps), ("strategy.outer_lr", self.strategy.outer_lr)):
+                if value > FLOAT32_MAX:
+                    raise ValueError(f"{name} must be at most {FLOAT32_MAX:.7g} (the largest float32; "
+                                     f"dtype is float32), got {value!r}")
+        fitting = models_for(self.data.dataset)
+        if self.model.name not in fitting:
+            from shaky.data import SAMPLE_SHAPES  # noqa: PLC0415
+
+            shape = SAMPLE_SHAPES[self.data.dataset]
+            holds = "token ids" if shape is None else f"{math.prod(shape)} features" if len(shape) == 1 else "images"
+            reads = ("token ids" if self.model.name == "lstm" else "images (or a square number of features)"
+                     if self.model.name.startswith("resnet") else "features")
+            raise ValueError(f"model.name {self.model.name!r} reads {reads} but data.dataset "
+                             f"{self.data.dataset!r} holds {holds}; models for {self.data.dataset}: "
+                             f"{', '.join(fitting)}")
         for name in ("drop_rate", "latency_ms", "bandwidth_mbps"):
             value = getattr(self.network, name)
             if isinstance(value, tuple) and len(value) != self.num_workers:
@@ -448,6 +508,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 def set_dotted(values: dict[str, Any], key: str, value: Any) -> None:
     """Sets ``a.b.c = value`` inside nested dicts, creating tables on the way."""
     *parents, leaf = key.split(".")
+    if not all((*parents, leaf)):
+        raise ValueError(f"{key!r} is not a setting name (a dotted name such as network.drop_rate has no empty "
+                         "parts)")
     node = values
     for part in parents:
         child = node.setdefault(part, {})

@@ -23,6 +23,12 @@ from sklearn.model_selection import train_test_split
 
 DATASETS: tuple[str, ...] = ("digits", "iris", "wine", "breast_cancer", "mnist1d", "cifar10", "text")
 PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "label-skew")
+SAMPLE_SHAPES: dict[str, tuple[int, ...] | None] = {
+    "digits": (64,), "iris": (4,), "wine": (13,), "breast_cancer": (30,), "mnist1d": (40,), "cifar10": (3, 32, 32),
+    "text": None,
+}
+"""Each data set's ``input_shape`` as ``load_dataset`` returns it, known before loading (the config checks
+which models fit); None for text, whose samples are ``max_len`` token ids."""
 
 PAD_ID = 0
 UNK_ID = 1

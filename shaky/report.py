@@ -7,10 +7,10 @@ import math
 import os
 import textwrap
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from shaky.claims import _metric, measure
-from shaky.rundir import read_metrics
+from shaky.claims import DEFAULT_METRIC, _metric, measure, names_in
+from shaky.rundir import METRICS_FILE, SUMMARY_FILE, read_metrics, read_summary
 from shaky.sweep import SWEEP_FILE, _label, load_saved_sweep, point_name
 from shaky.sweep_spec import _DEFAULT_METRIC, _matches, _selected
 
@@ -20,11 +20,45 @@ _COLUMNS = (
 )
 
 
+_TABLE_KEYS = ("final_test_accuracy", "final_test_loss", "consensus_distance", "bytes_sent", "messages_dropped",
+               "sim_time_s", "wall_time_s")
+"""The summary keys of :func:`table`'s columns after the name."""
+_CURVE_KEYS = ("step", "test_accuracy", "test_loss", "sim_time_s", "bytes_sent")
+"""The metrics.jsonl keys the accuracy and loss curves read."""
+
+
 def summary_row(name: str, summary: dict[str, Any]) -> list[str]:
     values = [name, summary["final_test_accuracy"], summary["final_test_loss"], summary["consensus_distance"],
-              summary["bytes_sent"] / 1e6, summary["messages_dropped"], summary["sim_time_s"],
-              summary["wall_time_s"]]
-    return [fmt.format(v) for (_, fmt), v in zip(_COLUMNS, values)]
+              None if summary["bytes_sent"] is None else summary["bytes_sent"] / 1e6, summary["messages_dropped"],
+              summary["sim_time_s"], summary["wall_time_s"]]
+    # None: not finite (a diverged run's loss) or not measured.
+    return [("-" if v is None else fmt.format(int(v) if fmt == "{:d}" else v))
+            for (_, fmt), v in zip(_COLUMNS, values)]
+
+
+def _check_numbers(path: Path, row: dict[str, Any], keys: Sequence[str], where: str = "") -> None:
+    """ValueError naming ``path`` unless each of ``keys`` is in ``row`` as a number or null."""
+    for key in keys:
+        if key not in row:
+            raise ValueError(f"{path}: {where}{key} is missing (the file is damaged or not a shaky run's)")
+        v = row[key]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{path}: {where}{key} must be a number, got {v!r}")
+
+
+def load_summary(run_dir: Path, keys: Sequence[str] = _TABLE_KEYS) -> dict[str, Any]:
+    """A run's summary.json, checked to hold ``keys`` as numbers (ValueError naming the file)."""
+    summary = read_summary(run_dir)
+    _check_numbers(run_dir / SUMMARY_FILE, summary, keys)
+    return summary
+
+
+def load_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl, checked to hold the numbers the curves plot (ValueError naming the file)."""
+    rows = read_metrics(run_dir)
+    for row in rows:
+        _check_numbers(run_dir / METRICS_FILE, row, _CURVE_KEYS, f"the row of step {row['step']!r}: ")
+    return rows
 
 
 def table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
@@ -45,8 +79,8 @@ def plot_accuracy(runs: Sequence[tuple[str, Path]], out: Path, title: str = "") 
 
     fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     styles = ("-", "--", "-.", ":")
-    for k, (name, run_dir) in enumerate(runs):
-        rows = read_metrics(run_dir)
+    loaded = [load_metrics(run_dir) for _, run_dir in runs]  # every file checked before anything is drawn
+    for k, ((name, _), rows) in enumerate(zip(runs, loaded)):
         acc = [100 * r["test_accuracy"] for r in rows]
         style = {"linestyle": styles[k % len(styles)], "marker": ".", "label": name}
         ax_steps.plot([r["step"] for r in rows], acc, **style)
@@ -129,14 +163,33 @@ class SweepRuns:
     """A sweep and the summaries of its finished runs."""
 
     def __init__(self, sweep_dir: Path) -> None:
-
+        """Reads the sweep and every finished run's summary (and, for a training sweep, metrics), checking
+        each file holds what the tables, plots and claims read: ValueError naming the file otherwise."""
         self.dir = Path(sweep_dir)
-        self.sweep = load_saved_sweep(self.dir)
+        try:
+            self.sweep = load_saved_sweep(self.dir)
+        except (ValueError, TypeError) as exc:
+            where = str(self.dir / SWEEP_FILE)
+            raise ValueError(str(exc) if where in str(exc) else f"{where}: {exc}") from None
+        keys = self._summary_keys()
         self.summaries: dict[str, dict[str, Any]] = {}
+        self.metrics: dict[str, list[dict[str, Any]]] = {}
         for p in self.sweep.points:
-            path = self.dir / p.name / "summary.json"
-            if path.is_file():
-                self.summaries[p.name] = json.loads(path.read_text())
+            run_dir = self.dir / p.name
+            if (run_dir / SUMMARY_FILE).is_file():
+                self.summaries[p.name] = load_summary(run_dir, keys)
+                if self.sweep.kind == "train":
+                    self.metrics[p.name] = load_metrics(run_dir)
+
+    def _summary_keys(self) -> list[str]:
+        """The summary keys this sweep's table, plots and claims read."""
+        sweep = self.sweep
+        metrics = [*(sweep.table or _DEFAULT_TABLE[sweep.kind]),
+                   *(spec.get("metric", _DEFAULT_METRIC[sweep.kind]) for spec in sweep.plots
+                     if spec.get("kind") != "curves"),
+                   *(spec.get("metric", DEFAULT_METRIC) for claim in sweep.claims
+                     for spec in claim["values"].values() if isinstance(spec, dict))]
+        return sorted({name for m in metrics for name in names_in(m, f"metric {m!r}")})
 
     @property
     def missing(self) -> int:
@@ -223,12 +276,14 @@ def _line_label(keys: Sequence[str], values: Sequence[Any], labels: dict[str, di
 
 
 def plot_curves(series: Sequence[tuple[str, Sequence[Path]]], out: Path, title: str = "",
-                legend_title: str = "") -> Path:
+                legend_title: str = "", metrics: Callable[[Path], list[dict[str, Any]]] = load_metrics) -> Path:
     """Test accuracy and loss of the averaged model against steps, simulated seconds and bytes sent.
 
     Each series is a label and the run directories averaged into its line (the seeds);
     x values are averaged too, since simulated time and bytes differ a little per seed.
+    ``metrics(run_dir)`` gives a run's metrics rows (by default read and checked here).
     """
+    loaded = [[metrics(d) for d in dirs] for _, dirs in series]  # every file checked before anything is drawn
     plt = _pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(10, 5.4), constrained_layout=True, sharey="row")
     xs = (("step", 1.0, "training step"), ("sim_time_s", 1.0, "simulated time (s)"),
@@ -236,14 +291,14 @@ def plot_curves(series: Sequence[tuple[str, Sequence[Path]]], out: Path, title: 
     ys = (("test_accuracy", 100.0, "test accuracy (%)"), ("test_loss", 1.0, "test loss (cross-entropy, log scale)"))
     styles = ("-", "--", "-.", ":")
     final_times = []
-    for k, (label, dirs) in enumerate(series):
-        rows = [read_metrics(d) for d in dirs]
+    for k, ((label, _), rows) in enumerate(zip(series, loaded)):
         n = min(len(r) for r in rows)
         if n == 0:
             continue
 
         def mean(key: str, factor: float) -> list[float]:
-            return [factor * sum(float(r[i][key]) for r in rows) / len(rows) for i in range(n)]
+            return [factor * sum(math.nan if r[i][key] is None else float(r[i][key]) for r in rows) / len(rows)
+                    for i in range(n)]
 
         final_times.append(mean("sim_time_s", 1.0)[-1])
         for row, (ykey, yfactor, _) in enumerate(ys):
@@ -395,7 +450,8 @@ def sweep_plots(runs: SweepRuns, out_dir: Path) -> list[tuple[str, Path]]:
             points = [p for p in sweep.points if _selected(p, spec) and p.name in runs.summaries]
             series = [(_line_label(keys, key, sweep.labels), [runs.dir / p.name for p in members])
                       for key, members in _groups(points, keys)]
-            made.append((title, plot_curves(series, out, title, ", ".join(keys))))
+            made.append((title, plot_curves(series, out, title, ", ".join(keys),
+                                            metrics=lambda d: runs.metrics[d.name])))
         else:
             made.append((title, plot_final(runs, spec, out)))
     return made
@@ -420,6 +476,9 @@ def write_report(dirs: Sequence[Path], out_dir: Path, reproduction: Path | None 
     """Plots in ``out_dir`` and a Markdown page: ``out_dir/report.md``, or with ``reproduction`` the claims
     page (REPRODUCTION.md) at that path, which then takes sweep directories only.
 
+    Every input file is read and checked before anything is written: a damaged one is a ValueError naming it,
+    and leaves ``out_dir`` as it was.
+
     Returns what was written: ``report`` (the Markdown file), ``plots``, ``verdicts``, ``missing`` runs.
     """
     sweeps, loose = [], []
@@ -431,6 +490,7 @@ def write_report(dirs: Sequence[Path], out_dir: Path, reproduction: Path | None 
     if reproduction is not None and loose:
         raise ValueError(f"--reproduction reads sweep directories only; {str(loose[0])!r} is a plain run "
                          "(report it without --reproduction)")
+    loose_runs = {d: (load_summary(d), load_metrics(d)) for d in loose}
     sections, plots, verdicts, missing = [], [], [], 0
     for runs in sweeps:
         made = sweep_plots(runs, out_dir)
@@ -441,9 +501,10 @@ def write_report(dirs: Sequence[Path], out_dir: Path, reproduction: Path | None 
         sections.append((runs, made, sweep_table(runs)))
     if loose:
         names = [d.name for d in loose]
-        png = plot_curves([(n, [d]) for n, d in zip(names, loose)], out_dir / "runs-curves.png", "runs")
+        png = plot_curves([(n, [d]) for n, d in zip(names, loose)], out_dir / "runs-curves.png", "runs",
+                          metrics=lambda d: loose_runs[d][1])
         plots.append(png)
-        loose_table = table([(n, json.loads((d / "summary.json").read_text())) for n, d in zip(names, loose)])
+        loose_table = table([(n, loose_runs[d][0]) for n, d in zip(names, loose)])
     # With a claims page the tables and plots live there; report.md is for everything else.
     report_md = reproduction or out_dir / "report.md"
     lines = ["# shaky report", ""]

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import io
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,13 +35,34 @@ RUN_FILES = frozenset(n + t for n in (CONFIG_FILE, SHARDS_FILE, METRICS_FILE, SU
 
 
 def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
-    """Writes ``path`` through a temporary file that replaces it only once complete and on disk."""
+    """Writes ``path`` through a temporary file that replaces it only once complete and on disk.
+
+    If anything goes wrong (no space left, a read-only directory, an interrupt) the temporary file is
+    removed and ``path`` is as it was; an OSError becomes :class:`WriteError`, one line naming the path.
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, mode) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise WriteError(path, exc) from None
+        raise
+
+
+class WriteError(OSError):
+    """A file of a run could not be written (no space left, read-only, no permission): one line naming it."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        super().__init__(exc.errno, f"cannot write {path}: {exc.strerror or exc}")
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -96,29 +118,48 @@ def release_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def create(run_dir: Path, cfg: RunConfig, shards: list[dict[str, Any]]) -> None:
-    """A fresh run directory with the resolved config, the shard description and empty metrics."""
+def create(run_dir: Path, cfg: RunConfig, shards: list[dict[str, Any]], *, again: bool = False) -> None:
+    """A fresh run directory with the resolved config, the shard description and empty metrics.
+
+    ``again``: the directory holds this run's files but no checkpoint (it was stopped before its first):
+    they are written anew. If a write fails (no space, read-only) the files written so far are removed,
+    so the same command works once there is room.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
-    if any(run_dir.iterdir()):
+    if not again and any(run_dir.iterdir()):
         raise FileExistsError(f"run directory {str(run_dir)!r} is not empty")
-    (run_dir / CONFIG_FILE).write_text(to_toml(cfg))
-    (run_dir / SHARDS_FILE).write_text(json.dumps(shards))
-    (run_dir / METRICS_FILE).write_text("")
+    written = []
+    try:
+        # config.toml first: a process killed in between leaves a directory that --resume starts again.
+        for name, text in ((CONFIG_FILE, to_toml(cfg)), (SHARDS_FILE, json.dumps(shards)), (METRICS_FILE, "")):
+            atomic_write(run_dir / name, lambda f, text=text: f.write(text))
+            written.append(run_dir / name)
+    except BaseException:
+        if not again:
+            for path in written:
+                path.unlink(missing_ok=True)
+        raise
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
     """The resolved config saved in a run directory, checked against its checkpoint before a resume: the
-    checkpoint must be whole (its checksum) and config.toml must say what the checkpoint was trained with."""
+    checkpoint must be whole (its checksum) and config.toml must say what the checkpoint was trained with.
+    A run with no checkpoint yet (stopped before its first) resumes from step 0 with its config.toml."""
     d = Path(run_dir)
     if not (d / CONFIG_FILE).is_file():
         raise ValueError(f"resume: {str(d)!r} is not a run directory (no {CONFIG_FILE})")
-    if not (d / CHECKPOINT_FILE).is_file():
-        raise ValueError(f"resume: {str(d)!r} has no {CHECKPOINT_FILE} to resume from")
     try:
         cfg = config_from_dict(load_toml(d / CONFIG_FILE))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"resume: {d / CONFIG_FILE}: {exc}") from None
-    saved = load_checkpoint(d).get("config")
+    if not (d / CHECKPOINT_FILE).exists():
+        stray = sorted(p.name for p in d.iterdir() if p.name not in RUN_FILES)
+        if not stray:
+            return cfg  # a run stopped before its first checkpoint: it starts again from step 0
+        raise ValueError(f"resume: {str(d)!r} has no {CHECKPOINT_FILE} to resume from, and holds {stray[0]!r}, "
+                         "which a run never writes")
+    ckpt = load_checkpoint(d)
+    saved = ckpt.get("config")
     if not isinstance(saved, dict):
         raise ValueError(f"resume: {d / CHECKPOINT_FILE} holds no config to check {CONFIG_FILE} against")
     changed = _first_difference(to_dict(cfg), saved)
@@ -126,7 +167,24 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
         key, now, then = changed
         raise ValueError(f"resume: {d / CONFIG_FILE} sets {key} = {now!r} but the checkpoint was trained with "
                          f"{then!r}; a resume continues the same run (start a new run to change it)")
+    _check_metrics(d, cfg, ckpt)
     return cfg
+
+
+def _check_metrics(run_dir: Path, cfg: RunConfig, ckpt: dict[str, Any]) -> None:
+    """metrics.jsonl must hold every evaluation up to the checkpoint's step (a resume keeps those rows and
+    writes the rest); a row cut short after that step is a write the stopped process did not finish."""
+    try:
+        step = int(ckpt["counters"]["step"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"resume: {run_dir / CHECKPOINT_FILE}: not a shaky checkpoint (no step)") from None
+    rows = read_metrics(run_dir, trim_torn=True)
+    have = {r["step"] for r in rows if isinstance(r["step"], int) and r["step"] <= step}
+    want = {0, *range(cfg.eval_every, step + 1, cfg.eval_every)} | ({step} if step == cfg.steps else set())
+    missing = sorted(want - have)
+    if missing:
+        raise ValueError(f"{run_dir / METRICS_FILE}: the evaluation at step {missing[0]} is missing, but the "
+                         f"checkpoint is at step {step} (the file is damaged); nothing was resumed")
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
@@ -145,8 +203,13 @@ def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] 
 
 
 def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
-    with open(run_dir / METRICS_FILE, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    """Appends one line; a line cut short (no space left, a kill) is trimmed when the run resumes."""
+    path = run_dir / METRICS_FILE
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError as exc:
+        raise WriteError(path, exc) from None
 
 
 def read_metrics(run_dir: str | Path, *, trim_torn: bool = False) -> list[dict[str, Any]]:
@@ -288,12 +351,17 @@ class Summary:
     model: str | None
     seed: int
     drop_rate: float | str | None
-    """The configured drop rate, or "matrix" for a per-link matrix."""
+    """The configured drop rate, "matrix" for a per-link matrix, or "trace" when the delivery masks were replayed
+    from ``trace`` (network.drop_rate is then not what happened: see measured_drop_rate)."""
     num_parameters: int | None
     diverged: bool = False
     """The loss stopped being finite; the run ended there (a result, not a crash)."""
     error: str = ""
     """Why it ended early, in one line."""
+    measured_drop_rate: float | None = None
+    """The fraction of the messages sent that were lost (None when none were sent)."""
+    trace: str = ""
+    """The trace whose delivery masks were replayed (network.trace), as an absolute path; "" if none."""
 
     @staticmethod
     def from_run(cfg: RunConfig, last: dict[str, Any], counters: Counters, *, compute_ms: float,
@@ -311,16 +379,39 @@ class Summary:
             scalability=counters.step * compute_ms / 1e3 / counters.sim_time_s if counters.sim_time_s else None,
             compute_ms=compute_ms, strategy=cfg.strategy.name, num_workers=cfg.num_workers,
             dataset=cfg.data.dataset, model=cfg.model.name, seed=cfg.seed,
-            drop_rate=cfg.network.drop_rate if isinstance(cfg.network.drop_rate, float) else "matrix",
-            num_parameters=num_parameters, diverged=diverged, error=error)
+            drop_rate=("trace" if cfg.network.trace else cfg.network.drop_rate
+                       if isinstance(cfg.network.drop_rate, float) else "matrix"),
+            num_parameters=num_parameters, diverged=diverged, error=error,
+            measured_drop_rate=(counters.messages_dropped / counters.messages_sent if counters.messages_sent
+                                else None),
+            trace=str(Path(cfg.network.trace).resolve()) if cfg.network.trace else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The fields as plain values; a number that is not finite (a diverged run's loss) becomes None, since
+        JSON has no NaN or infinity (``diverged`` and ``error`` say why)."""
+        def finite(v: Any) -> Any:
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+        return {f.name: finite(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def write(self, run_dir: Path) -> None:
         write_json(run_dir / SUMMARY_FILE, self.to_dict())
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    """A finished run's summary.json."""
-    return json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
+    """A finished run's summary.json, a JSON object; ValueError naming the file when it is missing, unreadable,
+    not JSON or not an object. NaN and infinity (which older versions wrote for a diverged run's loss) read as
+    None, as written now."""
+    path = Path(run_dir) / SUMMARY_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing (the run has not finished)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot be read ({exc})") from None
+    try:
+        summary = json.loads(text, parse_constant=lambda _: None)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); the file is damaged") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path}: not a run summary (a JSON object), got {type(summary).__name__}")
+    return summary

@@ -8,8 +8,14 @@ network, strategy) and raises ValueError naming the setting; ``evaluate`` and
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import json
+import os
+import platform
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -43,34 +49,133 @@ class Setup:
     forward_fn: Callable[..., torch.Tensor] = field(repr=False)
 
 
-# Measured compute times, per (dataset, model, batch size, dtype), shared by the runs of one process
-# so that runs compared side by side (the demo, a sweep) are charged the same compute time.
-_COMPUTE_MS: dict[tuple[Any, ...], float] = {}
+def cache_dir() -> Path:
+    """Where shaky keeps what it measured on this machine: ``SHAKY_CACHE_DIR``, else ``$XDG_CACHE_HOME/shaky``,
+    else ``~/.cache/shaky``."""
+    if os.environ.get("SHAKY_CACHE_DIR"):
+        return Path(os.environ["SHAKY_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shaky"
 
 
-def _measure_compute_ms(setup: Setup, params: torch.Tensor) -> float:
-    """Fastest of a few timed forward+backward passes of one worker at its batch size, on this machine.
+COMPUTE_CACHE = "compute_ms.json"
+_COMPUTE_MS: dict[str, float] = {}
+"""This process's measurements, for when the cache file cannot be written."""
 
-    The minimum, not the mean, because everything else running on the machine only ever adds time.
+
+def measured_compute_ms(setup: Setup) -> float:
+    """One worker's compute time per step on this machine, measured once and then read back.
+
+    The simulated clock charges it for every step, so runs that should be identical must be charged the
+    same: the first measurement (per data set, model, batch size, dtype, torch version and CPU) is kept in
+    ``cache_dir()/compute_ms.json`` (under a lock, so a sweep's processes measure it once between them),
+    and every later run, sweep or torch.distributed rank on the machine reads it. ``network.compute_ms``
+    overrides it; delete the file to measure again.
     """
     cfg = setup.cfg
-    key = (cfg.data.dataset, cfg.data.path, cfg.model.name, cfg.model.hidden, cfg.batch_size, cfg.dtype)
-    if key not in _COMPUTE_MS:
-        n = min(cfg.batch_size, len(setup.data.y_train))
-        x, y = setup.data.x_train[None, :n], setup.data.y_train[None, :n]
-        mask = torch.ones(1, n, dtype=x.dtype if x.is_floating_point() else setup.dtype)
+    key = json.dumps([cfg.data.dataset, str(Path(cfg.data.path).resolve()) if cfg.data.path else "",
+                      cfg.model.name, cfg.model.hidden, cfg.batch_size, cfg.dtype, torch.__version__, _cpu_name()])
+    if key in _COMPUTE_MS:
+        return _COMPUTE_MS[key]
+    path = cache_dir() / COMPUTE_CACHE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(COMPUTE_CACHE + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                known = json.loads(path.read_text())
+                known = known if isinstance(known, dict) else {}
+            except (OSError, ValueError):
+                known = {}  # none yet, or damaged: measured again
+            value = known.get(key)
+            if not isinstance(value, float) or not value > 0:
+                known[key] = value = _measure(setup)
+                from shaky.rundir import write_json  # noqa: PLC0415
+
+                write_json(path, known)
+    except OSError as exc:  # a read-only home: measured per process, and said once
+        value = _measure(setup)
+        print(f"shaky: warning: cannot keep the measured compute time in {path} ({exc.strerror or exc}); "
+              "runs in other processes measure their own (set network.compute_ms to fix it)", file=sys.stderr)
+    _COMPUTE_MS[key] = value
+    return value
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _measure(setup: Setup) -> float:
+    """Fastest of a few timed forward+backward passes of one worker at its batch size, on one thread.
+
+    The minimum, not the mean, because everything else running on the machine only ever adds time; one
+    thread, because a simulated worker stands for one device, as a sweep's process or a torchrun rank is.
+    """
+    cfg = setup.cfg
+    params = setup.flat.flatten(setup.model)[None]
+    n = min(cfg.batch_size, len(setup.data.y_train))
+    x, y = setup.data.x_train[None, :n], setup.data.y_train[None, :n]
+    mask = torch.ones(1, n, dtype=x.dtype if x.is_floating_point() else setup.dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         times = []
         for i in range(10):
             t0 = time.perf_counter()
-            setup.grad_fn(params[:1], x, y, mask)
+            setup.grad_fn(params, x, y, mask)
             if i >= 3:  # the first calls pay for allocation and dispatch warm-up
                 times.append(time.perf_counter() - t0)
-        _COMPUTE_MS[key] = float(min(times) * 1e3)
-    return _COMPUTE_MS[key]
+    finally:
+        torch.set_num_threads(threads)
+    return float(min(times) * 1e3)
 
 
-def prepare(cfg: RunConfig) -> Setup:
-    """Loads data, cuts shards, builds the model, network and strategy; raises ValueError on bad input."""
+def _load_trace(cfg: RunConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The masks of ``network.trace``, checked to be what a run of ``cfg``'s workers wrote: a file that is
+    cut short, damaged or of another layout is a ValueError naming it, not a crash in the middle of the run."""
+    path = cfg.network.trace
+    try:
+        up, down = load_trace(path, cfg.num_workers, cfg.steps)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged zip or array raises, the file is unusable
+        raise ValueError(f"network.trace: cannot read a trace from {path!r} ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:120]})") from None
+    width = (cfg.num_workers * cfg.num_workers + 7) // 8
+    for name, a in (("up", up), ("down", down)):
+        if a.dtype != np.uint8 or a.ndim != 2 or a.shape[1] != width or a.shape != up.shape:
+            raise ValueError(f"network.trace {path!r}: {name} is {a.dtype} {list(a.shape)}, not the packed masks "
+                             f"of {cfg.num_workers} workers (uint8 [rounds, {width}], up and down alike); "
+                             "the file is damaged or not a shaky trace")
+    return up, down
+
+
+def _check_batches_fit(cfg: RunConfig, shards: list[np.ndarray]) -> None:
+    """A worker's mini-batch must not be larger than its shard: the batch would hold the same samples twice."""
+    sizes = cfg.worker_batch_sizes()
+    worst = max(range(len(shards)), key=lambda w: sizes[w] - len(shards[w]))
+    if sizes[worst] <= len(shards[worst]):
+        return
+    smallest = min(len(s) for s in shards)
+    if cfg.batch_sizes:
+        raise ValueError(f"batch_sizes[{worst}] = {sizes[worst]} is larger than worker {worst}'s shard "
+                         f"({len(shards[worst])} samples): its batches would repeat samples")
+    grown = f" x strategy.redundancy {cfg.strategy.redundancy} (grow_batch)" if cfg.strategy.grow_batch else ""
+    raise ValueError(f"batch_size {cfg.batch_size}{grown} is larger than the smallest shard ({smallest} samples, "
+                     f"{cfg.num_workers} workers on {cfg.data.dataset}): batches would repeat samples; "
+                     f"use batch_size <= {smallest // (cfg.strategy.redundancy if grown else 1)} or fewer workers")
+
+
+def prepare(cfg: RunConfig, *, measure: bool = True) -> Setup:
+    """Loads data, cuts shards, builds the model, network and strategy; raises ValueError on bad input.
+
+    Without ``measure`` a compute time that is not set stays -1 for the caller to fill in (the dist
+    backend: rank 0 reads or measures it, and every rank takes rank 0's)."""
     dtype = getattr(torch, cfg.dtype)
     data = load_dataset(cfg.data.dataset, seed=cfg.seed, path=cfg.data.path,
                         test_fraction=cfg.data.test_fraction, max_len=cfg.data.max_len)
@@ -79,19 +184,20 @@ def prepare(cfg: RunConfig) -> Setup:
     chunks = partition(data.y_train.numpy(), cfg.num_workers, kind=cfg.data.partition, seed=cfg.seed,
                        alpha=cfg.data.dirichlet_alpha)
     shards = assign_chunks(chunks, cfg.strategy.redundancy)
+    _check_batches_fit(cfg, shards)
     model = build_model(cfg.model.name, input_shape=data.input_shape, num_classes=data.num_classes,
                         vocab_size=data.vocab_size, hidden=cfg.model.hidden, seed=cfg.seed).to(dtype)
     flat = FlatParams(model)
     if cfg.network.trace:
-        up, down = load_trace(cfg.network.trace, cfg.num_workers, cfg.steps)
+        up, down = _load_trace(cfg)
         network: NetworkModel = TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, up, down)
     else:
         network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed)
     grad_fn, forward_fn = make_functions(model, flat)
     setup = Setup(cfg, data, shards, model, flat, network, build_strategy(cfg), cfg.network.compute_ms,
                   dtype, grad_fn, forward_fn)
-    if setup.compute_ms < 0:
-        setup.compute_ms = _measure_compute_ms(setup, flat.flatten(model)[None])
+    if setup.compute_ms < 0 and measure:
+        setup.compute_ms = measured_compute_ms(setup)
     return setup
 
 

@@ -44,7 +44,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import tomli_w
 
-from shaky.config import RunConfig, _build, config_from_dict, load_toml, parse_value, set_dotted, to_dict
+from shaky.config import (MAX_SCALE_PERIOD, RunConfig, _build, config_from_dict, load_toml, parse_value, set_dotted,
+                          to_dict)
+from shaky.interrupt import Stopped
 from shaky.rundir import CHECKPOINT_FILE, CONFIG_FILE, RUN_FILES, SUMMARY_FILE, write_json
 from shaky.sweep_spec import check_sweep_spec
 
@@ -206,6 +208,14 @@ def build_run(values: dict[str, Any], kind: str) -> tuple[RunConfig, ScaleConfig
         if cfg.network.compute_ms <= 0:
             raise ValueError(f"network.compute_ms must be > 0 in a scale sweep (the compute a step stands for), "
                              f"got {cfg.network.compute_ms:g}")
+        for key in ("period", "delay"):
+            if getattr(cfg.strategy, key) > MAX_SCALE_PERIOD:
+                raise ValueError(f"strategy.{key} must be at most {MAX_SCALE_PERIOD} in a scale sweep, "
+                                 f"got {getattr(cfg.strategy, key)}")
+        if scale_cfg.recommended and _recommended_period(cfg, scale_cfg) > MAX_SCALE_PERIOD:
+            raise ValueError(f"scale.recommended: the recommended t = d = {_recommended_period(cfg, scale_cfg)} "
+                             f"is above {MAX_SCALE_PERIOD} (network.compute_ms {cfg.network.compute_ms:g} is small "
+                             "against one exchange); set scale.recommended = false or a larger network.compute_ms")
         return cfg, scale_cfg
     return config_from_dict(values), None
 
@@ -423,6 +433,26 @@ def plan(sweeps: Sequence[Sweep], out: Path) -> tuple[list[Task], int]:
     return tasks, done
 
 
+def check_setups(tasks: Sequence[Task]) -> None:
+    """Builds every training run's full setup (data, files, shards, model against data, network, trace) before
+    anything is written, so a run that cannot start fails the sweep now, in one line naming it, and not
+    after other runs were written; and measures the compute time the runs that do not set
+    ``network.compute_ms`` will share (``shaky.setup.measured_compute_ms``), here, before the workers start
+    and load the cores."""
+    from shaky.setup import measured_compute_ms, prepare  # noqa: PLC0415
+
+    for task in tasks:
+        if task.kind != "train":
+            continue
+        cfg, _ = build_run(task.values, task.kind)
+        try:
+            setup = prepare(cfg, measure=False)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{task.sweep}/{task.name}: {exc}") from None
+        if setup.compute_ms < 0:
+            measured_compute_ms(setup)
+
+
 def _clear_run_dir(run_dir: Path) -> None:
     """Deletes a half-written run directory (only files a run writes; checked by ``run_status``)."""
     if run_dir.exists():
@@ -482,6 +512,14 @@ def _execute(task: Task) -> dict[str, Any]:
         release_dir(run_dir)  # the worker process goes on to other runs
 
 
+def _recommended_period(cfg: RunConfig, scale_cfg: ScaleConfig) -> int:
+    """DTS's t = d that hides one exchange behind compute, for the network as configured."""
+    from shaky import scale  # noqa: PLC0415
+
+    work = scale.Workload(scale_cfg.num_params, cfg.network.compute_ms)
+    return int(scale.hiding_period(scale.exchange_seconds("dts", cfg, work), work.compute_ms))
+
+
 def _execute_scale(cfg: RunConfig, scale_cfg: ScaleConfig, run_dir: Path) -> dict[str, Any]:
     from shaky import scale  # noqa: PLC0415
 
@@ -491,7 +529,7 @@ def _execute_scale(cfg: RunConfig, scale_cfg: ScaleConfig, run_dir: Path) -> dic
     work = scale.Workload(scale_cfg.num_params, cfg.network.compute_ms)
     latency = scale_cfg.wan_latency_ms if scale_cfg.wan_latency_ms >= 0 else None
     # Recommended for the network as configured, then kept at every swept latency (as a deployment would).
-    recommended = scale.hiding_period(scale.exchange_seconds("dts", cfg, work), work.compute_ms)
+    recommended = _recommended_period(cfg, scale_cfg)
     period, delay = cfg.strategy.period, cfg.strategy.delay
     if scale_cfg.recommended and cfg.strategy.name != "allreduce":
         period = recommended
@@ -588,7 +626,7 @@ def run_sweeps(sweeps: Sequence[Sweep], out: str | Path, *, jobs: int | None = N
                 start = time.perf_counter()
                 try:
                     summary = runner(task)
-                except (KeyboardInterrupt, SystemExit):
+                except (KeyboardInterrupt, SystemExit, Stopped):
                     raise
                 except Exception as exc:  # noqa: BLE001 (one broken run must not stop the others)
                     outcome.failed.append((f"{task.sweep}/{task.name}", f"{type(exc).__name__}: {exc}"))
@@ -608,7 +646,8 @@ def _run_pool(tasks: list[Task], jobs: int, runner: Callable[[Task], dict[str, A
               outcome: Outcome) -> None:
     # spawn, not fork: a forked child inherits torch's thread pools and locks from the parent.
     ctx = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init,
+                               initargs=(os.getpid(),))
     pending: dict[Future[dict[str, Any]], tuple[Task, float]] = {}
     queue = list(tasks)
     try:
@@ -628,10 +667,45 @@ def _run_pool(tasks: list[Task], jobs: int, runner: Callable[[Task], dict[str, A
                 outcome.ran += 1
                 bar.update(task, summary, time.perf_counter() - start)
     except BaseException:
-        # Interrupted (Ctrl-C): stop our own worker processes, by handle, before leaving; their
-        # half-written runs are resumed or restarted by the next sweep.
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
+        # Stopped (Ctrl-C, SIGTERM) or failed: stop our own worker processes, by handle, and wait for them
+        # (bounded) before leaving. SIGTERM makes a worker's run finish its step and write a checkpoint,
+        # which the next sweep resumes; a worker that does not end in time is killed.
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        for process in processes:
             process.terminate()
         pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + WORKER_STOP_S
+        alive = processes
+        while alive and time.monotonic() < deadline:
+            alive[0].join(0.25)
+            alive = [p for p in alive if p.is_alive()]
+            for process in alive:  # again: a worker whose run has stopped waits for work, and SIGTERM ends it
+                process.terminate()
+        for process in alive:
+            process.kill()
+            process.join(5)
         raise
     pool.shutdown(wait=True)
+
+
+WORKER_STOP_S = 60.0
+"""How long a stopped sweep waits for each worker to write its checkpoint before killing it."""
+
+
+def _worker_init(parent: int) -> None:
+    """Runs first in each worker process: it ends with its parent, and leaves Ctrl-C to it.
+
+    The kernel sends the worker SIGTERM when the sweep process dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG); the run under way then stops after its step with a checkpoint. SIGINT is
+    ignored: a Ctrl-C reaches every process of the terminal, and the parent stops the workers itself.
+    """
+    import ctypes  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the worker notices its parent is gone at its next task
+        pass
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)

@@ -12,6 +12,7 @@ only the writer process (rank 0 in torch.distributed) writes.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +24,7 @@ from shaky.comm.sim import SimComm
 from shaky.config import to_dict
 from shaky.data import shard_summary
 from shaky.inject import FaultInjector, InterruptedRun
+from shaky.interrupt import SignalWatch, Stopped
 from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule, Round
 from shaky.network.model import MaskLog, save_trace
@@ -96,26 +98,41 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
           label: str = "train", progress: bool = True, faults: FaultInjector | None = None) -> dict[str, Any]:
     """Runs (or resumes) training into ``run_dir`` and returns the summary.
 
+    SIGINT and SIGTERM (in the main thread) stop the run after the step in progress, with a checkpoint:
+    :class:`shaky.interrupt.Stopped` is raised, and ``--resume`` continues as if nothing had happened.
     ``faults`` injects deterministic faults (``shaky.inject``): e.g. a ``stop`` at
     step s ends the run there without a final checkpoint, as a killed process would.
     """
-    cfg, strategy = setup.cfg, setup.strategy
+    cfg = setup.cfg
     comm = comm or SimComm(cfg.num_workers)
-    rank = getattr(comm, "rank", 0)
-    rows = comm.rows.tolist()
-    sampler = BatchSampler(setup.shards, rows, cfg.worker_batch_sizes(), cfg.seed)
+    sampler = BatchSampler(setup.shards, comm.rows.tolist(), cfg.worker_batch_sizes(), cfg.seed)
     batch_mask = sampler.mask.to(setup.dtype)
     members = FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps, sample_weights(cfg))
     clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms)
     masks = MaskLog(cfg.num_workers, cfg.steps)
-    x_train, y_train = setup.data.x_train, setup.data.y_train
     params, state, counters = _start(setup, run_dir, comm, clock, masks, resume=resume, writer=writer)
     t_start = time.perf_counter()
     bar = Progress(cfg.steps, counters.step, label, progress and writer)
     metrics = _Metrics(setup, members, comm, run_dir, bar, writer, counters, t_start)
     if counters.step == 0:
         metrics.log(params, None, None)
+    with SignalWatch(announce=writer and progress) as signals:
+        params, state = _loop(setup, comm, sampler, batch_mask, members, clock, masks, params, state, counters,
+                              metrics, bar, faults, signals)
+    bar.close()
+    _checkpoint(setup, run_dir, comm, params, state, counters, clock, masks, writer, t_start, trace=True)
+    summary = metrics.summary()
+    if writer:
+        summary.write(run_dir)
+    return summary.to_dict()
 
+
+def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Tensor, members: FailureSchedule,
+          clock: Clock, masks: MaskLog, params: torch.Tensor, state: Any, counters: Counters, metrics: _Metrics,
+          bar: Progress, faults: FaultInjector | None, signals: SignalWatch) -> tuple[torch.Tensor, Any]:
+    """The steps from ``counters.step`` to the end (or to a stop on a signal, which raises Stopped)."""
+    cfg, strategy, rank, rows = setup.cfg, setup.strategy, getattr(comm, "rank", 0), comm.rows.tolist()
+    x_train, y_train = setup.data.x_train, setup.data.y_train
     while counters.step < cfg.steps:
         step = counters.step
         if faults is not None:  # before on_step: a rank that fails at step s never reports reaching it
@@ -150,24 +167,38 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
                 bar.close()
                 error = (f"training diverged at step {counters.step} (loss is not finite); "
                          f"lower optim.lr (now {cfg.optim.lr})")
-                if writer:
-                    metrics.summary(diverged=True, error=error).write(run_dir)
+                if metrics.writer:
+                    metrics.summary(diverged=True, error=error).write(metrics.run_dir)
                 raise FloatingPointError(error)
-        if cfg.checkpoint_every and counters.step % cfg.checkpoint_every == 0 and counters.step < cfg.steps:
-            _checkpoint(setup, run_dir, comm, params, state, counters, clock, masks, writer, t_start)
-    bar.close()
-    _checkpoint(setup, run_dir, comm, params, state, counters, clock, masks, writer, t_start)
-    summary = metrics.summary()
-    if writer:
-        summary.write(run_dir)
-    return summary.to_dict()
+        stop = _stop_requested(signals, comm) if counters.step < cfg.steps else None
+        if stop is not None or (cfg.checkpoint_every and counters.step % cfg.checkpoint_every == 0
+                                and counters.step < cfg.steps):
+            _checkpoint(setup, metrics.run_dir, comm, params, state, counters, clock, masks, metrics.writer,
+                        metrics.t_start, trace=stop is not None)
+        if stop is not None:
+            bar.close()
+            raise Stopped(stop, counters.step, cfg.steps)
+    return params, state
+
+
+def _stop_requested(signals: SignalWatch, comm: Comm) -> int | None:
+    """The signal that asks this run to stop after this step, agreed by every rank (None: go on).
+
+    On the dist backend, one value per rank in an all-reduce: any rank's signal stops every rank after the
+    same step (a rank that received none reports SIGTERM). On the simulator, a local check.
+    """
+    mine = signals.received or 0
+    if isinstance(comm, SimComm):
+        return mine or None
+    anyone = float(comm.mean(torch.full((len(comm.rows), 1), float(mine > 0), dtype=torch.float64))[0, 0]) > 0
+    return (mine or int(signal.SIGTERM)) if anyone else None
 
 
 def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: MaskLog, *, resume: bool,
            writer: bool) -> tuple[torch.Tensor, Any, Counters]:
     """The parameters, strategy state and counters to start from: fresh, or from the checkpoint."""
     cfg, rows = setup.cfg, comm.rows.tolist()
-    if resume:
+    if resume and (run_dir / CHECKPOINT_FILE).is_file():
         ckpt = load_checkpoint(run_dir)
         counters = Counters(**ckpt["counters"])
         if "compute_ms" in ckpt:  # the run's own compute time, not a new measurement: its clock goes on alike
@@ -185,20 +216,23 @@ def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: MaskLog
         shards = shard_summary(setup.shards, setup.data.y_train.numpy(), setup.data.num_classes)
         for entry, shard in zip(shards, setup.shards):
             entry["indices"] = [int(i) for i in shard]
-        create(run_dir, cfg, shards)
+        create(run_dir, cfg, shards, again=resume)  # resume without a checkpoint: the run starts again
     return params, setup.strategy.init(params), Counters()
 
 
 def _checkpoint(setup: Setup, run_dir: Path, comm: Comm, params: torch.Tensor, state: Any, counters: Counters,
-                clock: Clock, masks: MaskLog, writer: bool, t_start: float) -> None:
-    """Gathers every worker's rows (a collective on the dist backend) and writes the checkpoint and trace."""
+                clock: Clock, masks: MaskLog, writer: bool, t_start: float, *, trace: bool) -> None:
+    """Gathers every worker's rows (a collective on the dist backend) and writes the checkpoint, and with
+    ``trace`` the delivery trace (a resume draws the masks again from the seed, so the periodic checkpoints
+    skip it: it grows with the run, and writing it every time would make checkpoints quadratic)."""
     full_params, full_state = comm.gather(params), map_rows(state, comm.gather)
     if writer:
         save_checkpoint(run_dir, {
             "params": full_params, "state": full_state, "config": to_dict(setup.cfg), "clock": clock.state,
             "compute_ms": setup.compute_ms,
             "counters": {**vars(counters), "wall_time_s": counters.wall_time_s + time.perf_counter() - t_start}})
-        save_trace(run_dir, masks.packed(), setup.cfg.num_workers)
+        if trace:
+            save_trace(run_dir, masks.packed(), setup.cfg.num_workers)
 
 
 class _Metrics:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,6 +20,13 @@ from shaky.network.faults import Membership, Round
 from shaky.network.model import LinkSample
 from shaky.rundir import load_checkpoint
 from shaky.train import BatchSampler, prepare, read_metrics, train
+
+
+# Measured compute times go to a cache of the test session's own (processes the tests start inherit it),
+# never to the user's ~/.cache.
+if "SHAKY_CACHE_DIR" not in os.environ:
+    os.environ["SHAKY_CACHE_DIR"] = tempfile.mkdtemp(prefix="shaky-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SHAKY_CACHE_DIR"], True)
 
 
 def make_config(**overrides: Any) -> RunConfig:

@@ -209,19 +209,27 @@ def test_out_below_a_file(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert "afile/run" in msg
 
 
-@pytest.mark.parametrize("kind", ["missing", "empty", "config-only", "other-files"])
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(cwd: Path) -> None:
+    d = cwd / "somedir"
+    d.mkdir()
+    (d / "config.toml").write_text("steps = 3\nnum_workers = 2\n[network]\ncompute_ms = 1.0\n")
+    assert main(["train", "--resume", str(d), "--quiet"]) == 0
+    assert json.loads((d / "summary.json").read_text())["steps"] == 3
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "config-and-other-files", "other-files"])
 def test_resume_not_a_run(cwd: Path, capsys: pytest.CaptureFixture[str], kind: str) -> None:
     d = cwd / "somedir"
     if kind != "missing":
         d.mkdir()
-    if kind == "config-only":
+    if kind == "config-and-other-files":
         (d / "config.toml").write_text("steps = 3\n")
-    if kind == "other-files":
+    if kind in ("other-files", "config-and-other-files"):
         (d / "notes.txt").write_text("hello\n")
     msg = bad_input(["train", "--resume", str(d)], capsys, cwd)
     assert msg.startswith(f"shaky: error: resume: {str(d)!r}"), msg
-    if kind == "config-only":
-        assert msg.endswith("has no checkpoint.pt to resume from")
+    if kind == "config-and-other-files":
+        assert msg.endswith("has no checkpoint.pt to resume from, and holds 'notes.txt', which a run never writes")
     else:
         assert msg.endswith("is not a run directory (no config.toml)")
 
@@ -229,6 +237,117 @@ def test_resume_not_a_run(cwd: Path, capsys: pytest.CaptureFixture[str], kind: s
 def test_demo_bad_steps(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
     msg = bad_input(["demo", "--steps", "0", "--out", "demo"], capsys, cwd)
     assert msg == "shaky: error: --steps must be >= 1, got 0"
+    msg = bad_input(["demo", "--steps", str(10**12), "--out", "demo"], capsys, cwd)
+    assert msg.startswith("shaky: error: --steps 1000000000000: steps must be at most 1000000000"), msg
+
+
+def test_demo_out_is_a_file(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (cwd / "notes").write_text("precious\n")
+    msg = bad_input(["demo", "--steps", "2", "--quiet", "--out", "notes"], capsys, cwd)
+    assert msg.startswith("shaky: error: --out 'notes' is a file"), msg
+    msg = bad_input(["demo", "--steps", "2", "--quiet", "--out", "notes/demo"], capsys, cwd)
+    assert "'notes' is a file" in msg
+
+
+# Row by row: inputs that once failed with a traceback or were silently accepted.
+
+
+def test_model_that_cannot_read_the_data(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (cwd / "t.tsv").write_text("".join(f"{'pos' if i % 2 else 'neg'}\tword{i} other\n" for i in range(40)))
+    msg = bad_input(["train", "--dataset", "text", "--data-path", "t.tsv", "--model", "mlp", "--steps", "2"],
+                    capsys, cwd)
+    assert msg == "shaky: error: model.name 'mlp' reads features but data.dataset 'text' holds token ids; " \
+                  "models for text: lstm"
+    msg = bad_input(["train", "--dataset", "iris", "--model", "lstm"], capsys, cwd)
+    assert "model.name 'lstm'" in msg and "'iris'" in msg
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--steps", "1000000000000000"], "steps must be at most 1000000000 (a billion), got 1000000000000000"),
+    (["--set", "steps=1e15"], "steps must be an integer, got 1000000000000000.0"),
+    (["--set", "steps=99999999999999999999999"], "steps must be at most 1000000000"),
+    (["--set", "model.hidden=1000000000"], "model.hidden must be at most 8192"),
+    (["--strategy", "dts", "--set", "strategy.delay=1000000000"], "strategy.delay must be at most 4096"),
+])
+def test_absurdly_large_values(cwd: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                               expected: str) -> None:
+    assert expected in bad_input(["train", *argv], capsys, cwd)
+
+
+def test_the_largest_steps_allocate_nothing_per_step() -> None:
+    """Nothing a run builds before its first step grows with steps: the trace buffer, the failure schedule and
+    the batch sampler at the last step of a run of MAX_STEPS steps."""
+    import numpy as np
+
+    from shaky.config import MAX_STEPS
+    from shaky.network.faults import FailureSchedule
+    from shaky.network.model import MaskLog
+    from shaky.sampler import BatchSampler
+
+    cfg = config_from_dict({"steps": MAX_STEPS, "failures": [{"worker": 0, "step": MAX_STEPS - 1}]})
+    log = MaskLog(cfg.num_workers, cfg.steps)
+    assert log.packed()["up"].base.nbytes <= 1 << 20
+    members = FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps)
+    assert members.live(MAX_STEPS - 1).tolist() == [False] + [True] * 7
+    shards = [np.arange(w * 100, (w + 1) * 100) for w in range(cfg.num_workers)]
+    sampler = BatchSampler(shards, list(range(cfg.num_workers)), cfg.worker_batch_sizes(), cfg.seed)
+    batch = sampler.indices(MAX_STEPS - 1)
+    assert batch.shape == (8, 32) and all(set(row.tolist()) <= set(s.tolist()) for row, s in zip(batch, shards))
+
+
+def test_batch_larger_than_a_shard(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    msg = bad_input(["train", "--batch-size", "5000"], capsys, cwd)  # digits: 1437 samples over 8 workers
+    assert msg.startswith("shaky: error: batch_size 5000 is larger than the smallest shard (179 samples"), msg
+    msg = bad_input(["train", "--workers", "2", "--set", "batch_sizes=[8, 900]"], capsys, cwd)
+    assert msg.startswith("shaky: error: batch_sizes[1] = 900 is larger than worker 1's shard"), msg
+
+
+def test_data_path_for_a_dataset_that_reads_no_file(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (cwd / "x.tsv").write_text("a\tb\n")
+    msg = bad_input(["train", "--dataset", "digits", "--data-path", "x.tsv"], capsys, cwd)
+    assert "data.path" in msg and "digits" in msg and "'x.tsv'" in msg
+
+
+@pytest.mark.parametrize(("out", "expected"), [
+    ("s.txt", "--out must name a .png file (the Markdown table goes beside it, as s.md), got 's.txt'"),
+    ("plots", "--out must name a .png file"),
+    ("/proc/shaky-test/s.png", "--out '/proc/shaky-test/s.png' cannot be written"),
+    ("afile/s.png", "'afile' is a file"),
+])
+def test_scale_out(cwd: Path, capsys: pytest.CaptureFixture[str], out: str, expected: str) -> None:
+    (cwd / "afile").write_text("x\n")
+    assert expected in bad_input(["scale", "--latencies-ms", "0", "--worker-counts", "4", "--out", out], capsys, cwd)
+
+
+def test_scale_absurd_periods(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--params must be in [1, 1e+12], got 1e+30" in bad_input(["scale", "--params", "1e30"], capsys, cwd)
+    assert "--delay must be at most 1000" in bad_input(["scale", "--delay", "100000"], capsys, cwd)
+    msg = bad_input(["scale", "--compute-ms", "1e-6"], capsys, cwd)  # the recommended t = d would be ~1e10
+    assert "recommended t = d" in msg and "--compute-ms" in msg
+
+
+def test_replayed_run_states_what_was_dropped(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["train", "--steps", "10", "--workers", "2", "--dataset", "iris", "--model", "logreg", "--quiet"]
+    assert main([*common, "--drop-rate", "0.3", "--out", "lossy"]) == 0
+    assert main([*common, "--replay-trace", "lossy", "--out", "replay"]) == 0
+    capsys.readouterr()
+    summary = json.loads((cwd / "replay" / "summary.json").read_text())
+    assert summary["messages_dropped"] > 0
+    assert summary["drop_rate"] == "trace"  # not the config's 0.0, which did not decide what was lost
+    assert summary["measured_drop_rate"] == summary["messages_dropped"] / summary["messages_sent"]
+    assert summary["trace"] == str((cwd / "lossy").resolve())
+
+
+def test_diverged_run_writes_valid_json_and_reports(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--steps", "10", "--workers", "2", "--dataset", "iris", "--model", "mlp", "--lr", "1e38",
+            "--eval-every", "5", "--quiet", "--out", "div"]
+    assert main(argv) == 1  # a result, not bad input
+    assert "diverged" in capsys.readouterr().err
+    text = (cwd / "div" / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
+    assert summary["diverged"] is True and summary["final_test_loss"] is None
+    assert main(["report", "div", "--out", "rep"]) == 0
+    assert "| div | " in (cwd / "rep" / "report.md").read_text().replace("  ", " ")
 
 
 def test_subprocess_exit_status(tmp_path: Path) -> None:

@@ -333,7 +333,7 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
     ("data.dataset", "mnist", "data.dataset must be one of digits, iris, wine, breast_cancer, mnist1d, cifar10, "
                               "text; got 'mnist'"),
     ("data.partition", "random", "data.partition must be one of iid, dirichlet, label-skew; got 'random'"),
-    ("data.dirichlet_alpha", 0.0, "data.dirichlet_alpha must be in (0, inf], got 0.0"),
+    ("data.dirichlet_alpha", 0.0, "data.dirichlet_alpha must be in (0, inf), got 0.0"),
     ("data.test_fraction", 0.0, "data.test_fraction must be in (0, 1), got 0.0"),
     ("data.test_fraction", 1.0, "data.test_fraction must be in (0, 1), got 1.0"),
     ("data.max_len", 0, "data.max_len must be >= 1, got 0"),
@@ -343,6 +343,13 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
                           "resnet110, lstm; got 'vgg'"),
     ("model.hidden", -1, "model.hidden must be >= 0, got -1"),
     ("strategy.name", "gossip", "strategy.name must be one of allreduce, lossy-allreduce, rps, local-sgd, ri-sgd, dts, diloco; got 'gossip'"),
+    # Absurdly large values: refused before anything is sized by them.
+    ("steps", 10**15, "steps must be at most 1000000000 (a billion), got 1000000000000000"),
+    ("model.hidden", 10**8, "model.hidden must be at most 8192, got 100000000"),
+    ("data.max_len", 10**6, "data.max_len must be at most 4096, got 1000000"),
+    ("optim.lr", 1e300, "optim.lr must be at most 3.402823e+38 (the largest float32; dtype is float32), got 1e+300"),
+    ("data.path", "notes.txt", "data.path applies only to the cifar10 and text data sets; dataset digits reads no "
+                               "file (got path 'notes.txt')"),
 ]
 
 
@@ -351,6 +358,37 @@ def test_range_checks(key: str, bad: Any, message: str) -> None:
     with pytest.raises(ValueError) as exc:
         _from(key, bad)
     assert str(exc.value) == message
+
+
+@pytest.mark.parametrize(("dataset", "model", "message"), [
+    ("text", "mlp", "model.name 'mlp' reads features but data.dataset 'text' holds token ids; models for text: lstm"),
+    ("text", "resnet20", "model.name 'resnet20' reads images (or a square number of features) but data.dataset "
+                         "'text' holds token ids; models for text: lstm"),
+    ("digits", "lstm", "model.name 'lstm' reads token ids but data.dataset 'digits' holds 64 features; models for "
+                       "digits: logreg, mlp, cnn, resnet20, resnet32, resnet44, resnet56, resnet110"),
+    ("wine", "resnet20", "model.name 'resnet20' reads images (or a square number of features) but data.dataset "
+                         "'wine' holds 13 features; models for wine: logreg, mlp, cnn"),
+    ("cifar10", "lstm", "model.name 'lstm' reads token ids but data.dataset 'cifar10' holds images; models for "
+                        "cifar10: logreg, mlp, cnn, resnet20, resnet32, resnet44, resnet56, resnet110"),
+])
+def test_model_must_fit_the_data(dataset: str, model: str, message: str) -> None:
+    """Which models read which data sets is checked in the config, before any data is loaded or file written."""
+    path = "" if dataset not in ("text", "cifar10") else "/nowhere"
+    with pytest.raises(ValueError) as exc:
+        config_from_dict({"data": {"dataset": dataset, "path": path}, "model": {"name": model}})
+    assert str(exc.value) == message
+
+
+def test_every_dataset_has_a_model_and_strategy_delay_is_bounded() -> None:
+    from shaky.config import models_for
+    from shaky.data import DATASETS
+
+    assert models_for("text") == ("lstm",)
+    assert all(models_for(d) for d in DATASETS)
+    with pytest.raises(ValueError, match=r"^strategy\.delay must be at most 4096, got 5000$"):
+        config_from_dict({"strategy": {"name": "dts", "delay": 5000}})
+    assert config_from_dict({"steps": 10**9}).steps == 10**9  # the bound itself is accepted
+    assert config_from_dict({"optim": {"lr": 1e300}, "dtype": "float64"}).optim.lr == 1e300
 
 
 def test_range_cases_cover_every_check() -> None:

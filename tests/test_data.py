@@ -15,6 +15,15 @@ from shaky.data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, s
 BUNDLED = {"digits": (64, 10, 1797), "iris": (4, 3, 150), "wine": (13, 3, 178), "breast_cancer": (30, 2, 569)}
 
 
+@pytest.mark.parametrize("name", [*sorted(BUNDLED), "mnist1d"])
+def test_sample_shapes_known_before_loading(name: str) -> None:
+    """SAMPLE_SHAPES (which the config reads to match models to data sets) is what loading gives."""
+    from shaky.data import SAMPLE_SHAPES
+
+    assert set(SAMPLE_SHAPES) == set(DATASETS)
+    assert load_dataset(name, seed=0).input_shape == SAMPLE_SHAPES[name]
+
+
 @pytest.mark.parametrize("name", sorted(BUNDLED))
 def test_bundled_shapes_and_split(name: str) -> None:
     features, classes, total = BUNDLED[name]

@@ -122,18 +122,33 @@ def test_block_exchange_matches_the_simulator(dist_runs: Path) -> None:
 
 
 def test_torchrun_trains_like_the_simulator(tmp_path: Path) -> None:
-    """The README's torchrun command, with 2 processes, ends where the simulator does."""
+    """The README's torchrun command, with 2 processes, ends where the simulator does, simulated time included:
+    the compute time is measured once on the machine (here by the dist run's rank 0) and both charge it."""
     out = tmp_path / "torchrun"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "shaky", "train", "--backend", "dist", "--workers", "2", "--steps", "30", "--eval-every", "10",
-           "--drop-rate", "0.1", "--set", "network.compute_ms=1.0", "--quiet", "--out", str(out)]
+           "--drop-rate", "0.1", "--set", "network.compute_ms=-1", "--quiet", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    cfg = make_config(num_workers=2, steps=30, eval_every=10, batch_size=32, network={"drop_rate": 0.1, "compute_ms": 1.0})
+    cfg = make_config(num_workers=2, steps=30, eval_every=10, batch_size=32,
+                      network={"drop_rate": 0.1, "compute_ms": -1.0})
     summary, _, _ = run(cfg, tmp_path / "sim")
     dist_final = read_metrics(out)[-1]
     assert math.isclose(dist_final["test_accuracy"], summary["final_test_accuracy"], abs_tol=1e-9)
+    assert dist_final["sim_time_s"] == summary["sim_time_s"] > 0
+
+
+def test_bad_input_under_torchrun_is_said_once(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "shaky", "train", "--backend", "dist", "--workers", "3", "--steps", "5", "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("shaky: error:")]
+    assert ours == ["shaky: error: num_workers is 3 but torchrun started 2 processes; they must match "
+                    "(one worker per process)"], proc.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_example_script_runs_under_torchrun(tmp_path: Path) -> None:

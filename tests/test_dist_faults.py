@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,25 @@ def test_failed_rank_is_named_and_resume_finishes(fault: str, tmp_path: Path) ->
                                           network={"compute_ms": 1.0}), tmp_path / "sim")
     assert abs(final["final_test_accuracy"] - uninterrupted["final_test_accuracy"]) <= 0.005
     assert final["steps"] == 60
+
+
+def test_a_rank_killed_for_real_is_named(tmp_path: Path) -> None:
+    """kill -9 of one rank (no injected fault): every survivor names that rank, not the lowest one."""
+    run_dir = tmp_path / "run"
+    args = ["--workers", "4", "--steps", "5000", "--eval-every", "10", "--checkpoint-every", "10", "--quiet",
+            "--set", "network.compute_ms=1.0", "--set", "dist_timeout_s=5"]
+    procs = _launch(["--backend", "dist", *args, "--out", str(run_dir)], tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (run_dir / "checkpoint.pt").exists():
+            time.sleep(0.05)
+        assert (run_dir / "checkpoint.pt").exists(), "the run never reached its first checkpoint"
+        procs[1].send_signal(signal.SIGKILL)
+        results = _finish([procs[r] for r in (0, 2, 3)], timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    for code, err in results:
+        lines = [line for line in err.splitlines() if line.startswith("shaky: error:")]
+        assert code == 3 and len(lines) == 1, err[-1500:]
+        assert "shaky: error: rank 1 stopped answering after step" in lines[0], lines[0]

@@ -137,6 +137,43 @@ def test_report_refuses_what_is_not_a_run(tmp_path: Path, monkeypatch: pytest.Mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize(("damage", "file", "message"), [
+    (lambda d: (d / "metrics.jsonl").unlink(), "metrics.jsonl", "missing"),
+    (lambda d: (d / "metrics.jsonl").write_text('{"step": 0}\n'), "metrics.jsonl", "test_accuracy is missing"),
+    (lambda d: (d / "metrics.jsonl").write_text("{not json\n"), "metrics.jsonl", "line 1: not a metrics row"),
+    (lambda d: (d / "summary.json").write_text('{"final_test_accuracy": '), "summary.json", "not valid JSON"),
+    (lambda d: (d / "summary.json").write_text("[1, 2]"), "summary.json", "not a run summary"),
+    (lambda d: (d / "summary.json").write_text("{}"), "summary.json", " is missing (the file is damaged"),
+    (lambda d: (d / "summary.json").write_text(json.dumps({**json.loads((d / "summary.json").read_text()),
+                                                          "final_test_accuracy": "high"})), "summary.json",
+     "final_test_accuracy must be a number, got 'high'"),
+], ids=["no-metrics", "metrics-row", "metrics-json", "summary-json", "summary-list", "summary-empty",
+        "summary-type"])
+@pytest.mark.parametrize("where", ["sweep", "run"])
+def test_damaged_inputs_are_named_and_nothing_is_written(tmp_path: Path, swept: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str], damage: Any, file: str,
+                                                          message: str, where: str) -> None:
+    """Every input is read and checked before the first plot: a damaged file is named, and --out stays unwritten,
+    whether it is the last run of a sweep (after plots of the others could have been drawn) or a plain run."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(swept / "sweeps" / "tiny", tmp_path / "tiny")
+    run = sorted(p for p in (tmp_path / "tiny").iterdir() if p.is_dir())[-1]
+    damage(run)
+    before = _tree(tmp_path)
+    target = Path("tiny") if where == "sweep" else run.relative_to(tmp_path)
+    assert main(["report", str(target), "--out", "rep"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{run.relative_to(tmp_path) / file}" in err and message in err, err
+    assert _tree(tmp_path) == before
+
+
 def test_missing_runs_are_not_measured(tmp_path: Path, swept: Path) -> None:
     import shutil
 

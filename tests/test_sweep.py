@@ -122,6 +122,26 @@ def test_cli_refuses_bad_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("axis, value, message", [
+    ("num_workers", 5000, "num_workers (5000)"),                  # more workers than samples: empty shards
+    ("model.name", "lstm", "lstm"),                                # a text model on digits
+    ("data.dataset", "text", "data.path"),                         # the text data set without its file
+    ("network.trace", "no/such/run", "network.trace"),             # a trace that is not there
+])
+def test_a_sweep_checks_every_runs_full_setup_before_writing(axis: str, value: Any, message: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """One bad point among good ones: the sweep stops before anything is written, naming that run."""
+    monkeypatch.chdir(tmp_path)
+    grid = f'"{axis}" = [' + (f"{value}" if isinstance(value, int) else f'"{value}"') + "]\nseed = [0, 1]\n"
+    path = _write(tmp_path / "mixed.toml", "[base]\nsteps = 5\nnum_workers = 2\nbatch_size = 8\n[grid]\n" + grid)
+    assert main(["sweep", str(path), "--out", "sweeps", "--jobs", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("shaky: error: ") and "mixed" in err and "seed=0" in err and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed.toml"]  # nothing written
+
+
 class Counting:
     """A runner that records what it ran (the sweep's own ``execute`` does the work)."""
 
@@ -251,7 +271,7 @@ def test_every_experiment_file_is_a_valid_sweep() -> None:
 def _tiny_cifar(root: Path) -> Path:
     rng = np.random.default_rng(0)
     root.mkdir()
-    for name, n in (("data_batch_1", 24), ("test_batch", 8)):
+    for name, n in (("data_batch_1", 32), ("test_batch", 8)):  # 2 images for each of 16 workers (batch 2)
         with open(root / name, "wb") as f:
             pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
                          b"labels": [int(i) for i in rng.integers(0, 10, n)]}, f)

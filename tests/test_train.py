@@ -199,3 +199,29 @@ def test_fused_step_equals_the_functional_step_bit_for_bit(model: str, optim: di
     if s_fused.opt.momentum is not None:
         assert torch.equal(s_fused.opt.momentum, s_plain.opt.momentum)
     assert not torch.equal(p_fused, start)
+
+
+def test_the_compute_time_is_measured_once_per_machine(tmp_path, monkeypatch) -> None:
+    """Two fresh runs (two processes: this process's memory is cleared in between) are charged the same
+    measured compute time, read back from the cache file; a damaged cache file is measured again."""
+    import shaky.setup  # noqa: PLC0415
+
+    monkeypatch.setenv("SHAKY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(shaky.setup, "_COMPUTE_MS", {})
+    cfg = make_config(steps=10, eval_every=5, network={"compute_ms": -1.0, "drop_rate": 0.1})
+    first = train(prepare(cfg), tmp_path / "a", progress=False)
+    cache = tmp_path / "cache" / shaky.setup.COMPUTE_CACHE
+    saved = json.loads(cache.read_text())
+    assert list(saved.values()) == [first["compute_ms"]] and first["compute_ms"] > 0
+
+    monkeypatch.setattr(shaky.setup, "_COMPUTE_MS", {})
+    monkeypatch.setattr(shaky.setup, "_measure", lambda setup: pytest.fail("measured again"))
+    second = train(prepare(cfg), tmp_path / "b", progress=False)
+    assert {k: v for k, v in second.items() if k != "wall_time_s"} == \
+        {k: v for k, v in first.items() if k != "wall_time_s"}
+
+    cache.write_text("{not json")
+    monkeypatch.setattr(shaky.setup, "_COMPUTE_MS", {})
+    monkeypatch.setattr(shaky.setup, "_measure", lambda setup: 7.5)
+    assert prepare(cfg).compute_ms == 7.5
+    assert list(json.loads(cache.read_text()).values()) == [7.5]

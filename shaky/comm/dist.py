@@ -11,12 +11,18 @@ the simulator, and both backends agree round by round."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from shaky.comm.base import Done, block_sizes
+
+
+HEARTBEAT_S = 0.25
+"""How often each rank's heartbeat thread writes to the rendezvous store."""
 
 
 class _Reduced:
@@ -33,7 +39,9 @@ class _Reduced:
 class DistComm:
     """Comm for one worker per torch.distributed process (gloo on CPU, NCCL on GPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, heartbeat: bool = False) -> None:
+        """``heartbeat``: a thread beats in the rendezvous store, so that :meth:`diagnose_failure` can tell
+        a rank that died from one that hangs (``shaky train`` turns it on; a user's own loop need not)."""
         if not dist.is_initialized():
             raise RuntimeError("DistComm needs torch.distributed to be initialised (start with torchrun)")
         self.rank = dist.get_rank()
@@ -41,6 +49,24 @@ class DistComm:
         self.rows = torch.tensor([self.rank])
         self._store = dist.distributed_c10d._get_default_store()
         self._buffers: dict[str, torch.Tensor] = {}
+        # A heartbeat in the rendezvous store, from a thread: after a collective fails, the ranks whose
+        # heartbeat stopped are the ones that died (a kill -9, a crash, a SIGSTOP), whatever step they reached.
+        self._beating = threading.Event()
+        self._heartbeat = heartbeat
+        if heartbeat:
+            threading.Thread(target=self._beat, name="shaky-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        key = f"shaky/beat/{self.rank}"
+        while not self._beating.wait(HEARTBEAT_S):
+            try:
+                self._store.add(key, 1)
+            except RuntimeError:  # the store is gone (its host died, or the job ended)
+                return
+
+    def close(self) -> None:
+        """Stops the heartbeat (before the process group is destroyed)."""
+        self._beating.set()
 
     def _buffer(self, name: str, size: int, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -53,20 +79,30 @@ class DistComm:
         self._store.set(f"shaky/step/{self.rank}", str(step))
 
     def diagnose_failure(self, timeout_s: float) -> tuple[int, int] | None:
-        """After a collective failed: which rank stopped first, and after which step.
+        """After a collective failed: which rank stopped, and after which step.
 
-        Reads every rank's last reported step from the rendezvous store. Rank 0 may
-        host that store (plain ``init_method=env://``), so it waits until every
-        other survivor has read it before returning; None if the store is gone.
+        A rank whose heartbeat stopped (it died, or its process was frozen) is the one; if every heartbeat
+        goes on, the rank that reported the lowest step (it hangs while its process lives). Reads both from
+        the rendezvous store. Rank 0 may host that store (plain ``init_method=env://``), so it waits until
+        every other survivor has read it before returning; None if the store is gone.
         """
         try:
+            dead: list[int] = []
+            if self._heartbeat:
+                others = [r for r in range(self.num_workers) if r != self.rank]
+                before = {r: self._store.add(f"shaky/beat/{r}", 0) for r in others}
+                time.sleep(4 * HEARTBEAT_S)
+                dead = [r for r in others if self._store.add(f"shaky/beat/{r}", 0) == before[r]]
             steps = [int(self._store.get(f"shaky/step/{r}")) if self._store.check([f"shaky/step/{r}"]) else -1
                      for r in range(self.num_workers)]
-            failed = min(range(self.num_workers), key=lambda r: (steps[r], r))
+            failed = min(dead or range(self.num_workers), key=lambda r: (steps[r], r))
             self._store.set(f"shaky/diagnosed/{self.rank}", "1")
             if self.rank == 0:
-                others = [f"shaky/diagnosed/{r}" for r in range(1, self.num_workers) if r != failed]
-                self._store.wait(others, timedelta(seconds=timeout_s))
+                waiting = [f"shaky/diagnosed/{r}" for r in range(1, self.num_workers) if r != failed and r not in dead]
+                # Polled, not store.wait: a wait holds the store client, which would stall this rank's heartbeat.
+                deadline = time.monotonic() + timeout_s
+                while waiting and not self._store.check(waiting) and time.monotonic() < deadline:
+                    time.sleep(0.05)
         except RuntimeError:  # the store went away with its host
             return None
         return failed, steps[failed]

@@ -173,11 +173,11 @@ TRACE_FILE = "trace.npz"
 
 
 def save_trace(run_dir: Path, packed: dict[str, np.ndarray], num_workers: int) -> None:
-    """Writes the packed masks atomically into ``run_dir/trace.npz``."""
-    tmp = run_dir / (TRACE_FILE + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez_compressed(f, up=packed["up"], down=packed["down"], num_workers=np.int64(num_workers))
-    tmp.replace(run_dir / TRACE_FILE)
+    """Writes the packed masks atomically into ``run_dir/trace.npz`` (see ``shaky.rundir.atomic_write``)."""
+    from shaky.rundir import atomic_write  # noqa: PLC0415 (rundir imports nothing of the network)
+
+    atomic_write(Path(run_dir) / TRACE_FILE, lambda f: np.savez_compressed(
+        f, up=packed["up"], down=packed["down"], num_workers=np.int64(num_workers)), "wb")
 
 
 def load_trace(path: str, num_workers: int, steps: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,157 @@
+"""Kill tests: a run and a sweep stopped by SIGINT, SIGTERM or SIGKILL at 20 seeded random moments each, and
+resumed after every one; the result equals the run never interrupted in every number but the wall time.
+
+Each moment is a delay after the process starts, drawn from the seed over the whole of a process's life
+(starting Python, loading data, training, checkpointing), and the signal is drawn with it. Slow (several
+minutes: every moment starts Python and torch again), so they carry the ``kill`` marker: ``make test``
+leaves them out and ``make test-kill`` (which .ci/run runs) runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from shaky.rundir import read_metrics
+
+pytestmark = pytest.mark.kill
+
+MOMENTS = 20
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+SEED = 20261123
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "shaky", *args], cwd=cwd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _kill_at(proc: subprocess.Popen[str], delay: float, signum: int,
+             before: Callable[[], object] = lambda: None) -> tuple[int, str] | None:
+    """Sends ``signum`` after ``delay`` seconds (``before`` runs just before); None if the process ended first
+    (it ran to the end)."""
+    try:
+        proc.wait(timeout=delay)
+        return None
+    except subprocess.TimeoutExpired:
+        before()
+        proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def _check_stop(signum: int, code: int, err: str) -> None:
+    assert "Traceback" not in err, err[-2000:]
+    if signum == signal.SIGKILL:
+        assert code == -signal.SIGKILL
+    else:  # stopped cleanly (130/143), or by the signal before Python's handlers were installed
+        assert code in (128 + signum, -signum, 130, 2, 0), (signum, code, err[-2000:])
+
+
+def _results(summary: dict[str, object]) -> dict[str, object]:
+    return {k: v for k, v in summary.items() if k != "wall_time_s"}
+
+
+def _same_run(got: Path, want: Path) -> None:
+    assert _results(json.loads((got / "summary.json").read_text())) == \
+        _results(json.loads((want / "summary.json").read_text()))
+    assert [_results(r) for r in read_metrics(got)] == [_results(r) for r in read_metrics(want)]
+
+
+TRAIN = ["train", "--workers", "4", "--steps", "6000", "--eval-every", "250", "--checkpoint-every", "250",
+         "--drop-rate", "0.1", "--set", "network.compute_ms=1.0", "--quiet"]
+
+
+def test_a_run_stopped_at_20_random_moments_ends_identical(tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    kills = []
+    while len(kills) < MOMENTS:
+        fresh = not (tmp_path / "run" / "config.toml").exists()
+        proc = _start([*TRAIN, "--out", "run"] if fresh else ["train", "--resume", "run", "--quiet"], tmp_path)
+        delay, signum = rng.uniform(0.0, 9.0), rng.choice(SIGNALS)
+        stopped = _kill_at(proc, delay, signum)
+        if stopped is None:
+            break  # the run finished before this moment
+        _check_stop(signum, *stopped)
+        kills.append((round(delay, 2), signal.Signals(signum).name, stopped[0]))
+    assert len(kills) == MOMENTS, kills
+    final = _start(["train", "--resume", "run", "--quiet"], tmp_path)
+    assert final.wait(timeout=600) == 0, final.stderr.read() if final.stderr else ""
+    reference = _start([*TRAIN, "--out", "ref"], tmp_path)
+    assert reference.wait(timeout=600) == 0
+    _same_run(tmp_path / "run", tmp_path / "ref")
+
+
+SWEEP = """
+[base]
+steps = 2500
+num_workers = 4
+eval_every = 250
+checkpoint_every = 250
+network = {compute_ms = 1.0, drop_rate = 0.1}
+[grid]
+seed = [0, 1, 2, 3]
+"""
+
+
+def test_a_sweep_stopped_at_20_random_moments_ends_identical(tmp_path: Path) -> None:
+    (tmp_path / "grid.toml").write_text(SWEEP)
+    sweep = ["sweep", "grid.toml", "--jobs", "2", "--quiet"]
+    rng = random.Random(SEED + 1)
+    kills = []
+    while len(kills) < MOMENTS:
+        proc = _start([*sweep, "--out", "out"], tmp_path)
+        delay, signum = rng.uniform(0.0, 14.0), rng.choice(SIGNALS)
+        children: list[int] = []
+        stopped = _kill_at(proc, delay, signum, before=lambda: children.extend(_children(proc.pid)))
+        if stopped is None:
+            break
+        code, err = stopped
+        assert "Traceback" not in err, err[-2000:]
+        _wait_gone(children)  # no worker outlives its sweep, whatever stopped it
+        kills.append((round(delay, 2), signal.Signals(signum).name, code))
+    assert len(kills) == MOMENTS, kills
+    final = _start([*sweep, "--out", "out"], tmp_path)
+    assert final.wait(timeout=900) == 0, final.stderr.read() if final.stderr else ""
+    reference = _start([*sweep, "--out", "ref"], tmp_path)
+    assert reference.wait(timeout=900) == 0
+    for s in range(4):
+        _same_run(tmp_path / "out" / "grid" / f"seed={s}", tmp_path / "ref" / "grid" / f"seed={s}")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _wait_gone(pids: list[int], timeout: float = 90.0) -> None:
+    import time  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes {alive} outlived their sweep by {timeout:.0f} s")
