@@ -2,6 +2,10 @@
 
 import sys
 
-from shaky.cli import main
+try:
+    from shaky.cli import main
+except KeyboardInterrupt:  # Ctrl-C while Python is still starting: one line, as everywhere else
+    print("shaky: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

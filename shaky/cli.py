@@ -293,7 +293,7 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
         run_dir = Path(args.resume)
         cfg = load_run_config(run_dir)
     else:
-        cfg = config_from_dict(_config_values(args))
+        cfg = config_from_dict(_absolute_paths(_config_values(args)))
         if args.out:
             run_dir = Path(args.out)
             if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
@@ -307,14 +307,28 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
     return cfg, run_dir
 
 
+def _absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """data.path and network.trace as absolute paths, so that config.toml still finds them when the run is
+    resumed from another directory."""
+    for table, key in (("data", "path"), ("network", "trace")):
+        sub = values.get(table)
+        if isinstance(sub, dict) and isinstance(sub.get(key), str) and sub[key]:
+            values[table] = {**sub, key: str(Path(sub[key]).resolve())}
+    return values
+
+
 def _claim_run_dir(run_dir: Path, *, resume: bool) -> None:
     """This process becomes the run directory's one writer (two at once would interleave their files)."""
     from shaky.rundir import claim_dir  # noqa: PLC0415
 
     try:
         claim_dir(run_dir, fresh=not resume)
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:
         raise BadInput(str(exc)) from None
+    except OSError as exc:
+        flag = "--resume" if resume else "--out"
+        raise BadInput(f"{flag} {str(run_dir)!r} cannot be used: {exc.strerror or exc}"
+                       + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(run_dir) else "")) from None
 
 
 # The fourth run shows the system side of the paper: a reliable transport keeps
@@ -610,9 +624,9 @@ def _shares_cores(args: argparse.Namespace) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    process_settings(shared_cores=_shares_cores(args))
     try:
+        args = _parser().parse_args(argv)
+        process_settings(shared_cores=_shares_cores(args))  # loads torch: seconds in which Ctrl-C may come
         return {"train": cmd_train, "demo": cmd_demo, "scale": cmd_scale, "sweep": cmd_sweep,
                 "report": cmd_report}[args.command](args)
     except BadInput as exc:

@@ -147,7 +147,7 @@ def test_cifar10_data_path_missing_batches(cwd: Path, capsys: pytest.CaptureFixt
     (cwd / "cifar").mkdir()
     (cwd / "cifar" / "data_batch_1").write_bytes(b"not a pickle")
     msg = bad_input(["train", "--dataset", "cifar10", "--data-path", "cifar"], capsys, cwd)
-    assert "data.path 'cifar'" in msg and "missing" in msg and "test_batch" in msg
+    assert f"data.path '{cwd / 'cifar'}'" in msg and "missing" in msg and "test_batch" in msg
 
 
 @pytest.mark.parametrize(("flag", "name"), [("--strategy", "strategy.name"), ("--model", "model.name"),
@@ -305,7 +305,7 @@ def test_batch_larger_than_a_shard(cwd: Path, capsys: pytest.CaptureFixture[str]
 def test_data_path_for_a_dataset_that_reads_no_file(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (cwd / "x.tsv").write_text("a\tb\n")
     msg = bad_input(["train", "--dataset", "digits", "--data-path", "x.tsv"], capsys, cwd)
-    assert "data.path" in msg and "digits" in msg and "'x.tsv'" in msg
+    assert "data.path" in msg and "digits" in msg and f"'{cwd / 'x.tsv'}'" in msg
 
 
 @pytest.mark.parametrize(("out", "expected"), [
