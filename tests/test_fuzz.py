@@ -6,7 +6,7 @@ equals the inputs made for it). Cases run in-process (``shaky.cli.main``) with t
 the case's own tmp_path; damaged run and sweep directories are copies of ONE tiny real run and ONE tiny
 sweep, made once for the module. A few cases run as real processes, to see the property end to end.
 
-Cases that still fail and lie in code owned elsewhere are marked ``xfail(strict=True)`` with the reason.
+A case may be marked ``xfail(strict=True)`` with its reason while its fix is pending; today none is.
 """
 
 from __future__ import annotations

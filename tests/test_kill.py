@@ -65,7 +65,7 @@ def _same_run(got: Path, want: Path) -> None:
     assert [_results(r) for r in read_metrics(got)] == [_results(r) for r in read_metrics(want)]
 
 
-TRAIN = ["train", "--workers", "4", "--steps", "6000", "--eval-every", "250", "--checkpoint-every", "250",
+TRAIN = ["train", "--workers", "4", "--steps", "15000", "--eval-every", "500", "--checkpoint-every", "500",
          "--drop-rate", "0.1", "--set", "network.compute_ms=1.0", "--quiet"]
 
 
@@ -91,10 +91,10 @@ def test_a_run_stopped_at_20_random_moments_ends_identical(tmp_path: Path) -> No
 
 SWEEP = """
 [base]
-steps = 2500
+steps = 10000
 num_workers = 4
-eval_every = 250
-checkpoint_every = 250
+eval_every = 500
+checkpoint_every = 500
 network = {compute_ms = 1.0, drop_rate = 0.1}
 [grid]
 seed = [0, 1, 2, 3]
@@ -108,7 +108,7 @@ def test_a_sweep_stopped_at_20_random_moments_ends_identical(tmp_path: Path) -> 
     kills = []
     while len(kills) < MOMENTS:
         proc = _start([*sweep, "--out", "out"], tmp_path)
-        delay, signum = rng.uniform(0.0, 14.0), rng.choice(SIGNALS)
+        delay, signum = rng.uniform(0.0, 12.0), rng.choice(SIGNALS)
         children: list[int] = []
         stopped = _kill_at(proc, delay, signum, before=lambda: children.extend(_children(proc.pid)))
         if stopped is None:
