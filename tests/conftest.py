@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -99,3 +100,43 @@ def train_by_hand(cfg: RunConfig, make_opt: Callable[[list[torch.nn.Parameter]],
 def tmp_run(tmp_path: Path):
     counter = iter(range(1000))
     return lambda: tmp_path / f"run{next(counter)}"
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: list[int], timeout: float = 90.0) -> None:
+    """Waits until none of ``pids`` runs; AssertionError naming the rest after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes {[p for p in pids if alive(p)]} still run after {timeout:.0f} s")
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a process a test sends SIGINT: a shell that runs the tests in the background leaves
+    SIGINT ignored, children inherit that, and shaky (like any program) keeps an ignored signal ignored."""
+    import signal  # noqa: PLC0415
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_config, stop_at
+from conftest import child_pids, default_sigint, make_config, stop_at, wait_gone
 from shaky.inject import InterruptedRun
 from shaky.rundir import CHECKPOINT_FILE, read_metrics
 from shaky.sweep import load_sweep, run_sweeps
@@ -26,7 +26,8 @@ TRAIN = ["train", "--workers", "4", "--steps", "1500", "--eval-every", "100", "-
 
 def _shaky(args: list[str], cwd: Path, **kwargs: object) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "shaky", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)  # type: ignore[call-overload]
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
+                            **kwargs)  # type: ignore[call-overload]
 
 
 def _wait_for(predicate: object, timeout: float, what: str) -> None:
@@ -102,37 +103,17 @@ seed = [0, 1, 2]
 """
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_a_stopped_sweep_leaves_no_workers_and_resumes_identical(signum: int, tmp_path: Path) -> None:
     (tmp_path / "grid.toml").write_text(SWEEP)
     proc = _shaky(["sweep", "grid.toml", "--out", "out", "--jobs", "2", "--quiet"], tmp_path)
     runs = [tmp_path / "out" / "grid" / f"seed={s}" for s in range(3)]
     _wait_for(lambda: sum(_rows(r) >= 2 for r in runs) >= 2, 180, "two runs under way")
-    workers = [p for p in _children(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    workers = [p for p in child_pids(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(workers) == 2, workers
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=90)
-    _wait_for(lambda: not any(_alive(p) for p in workers), 60, "the sweep's workers to end")
+    wait_gone(workers, 60)
     if signum == signal.SIGTERM:
         assert proc.returncode == 143 and err.strip().splitlines()[-1].startswith(
             "shaky: sweep stopped by SIGTERM; the runs under way wrote checkpoints"), err
@@ -163,10 +144,10 @@ def test_ctrl_c_of_a_sweep_stops_its_workers_which_ignore_it(tmp_path: Path) -> 
                   start_new_session=True)
     runs = [tmp_path / "out" / "grid" / f"seed={s}" for s in range(3)]
     _wait_for(lambda: sum(_rows(r) >= 2 for r in runs) >= 2, 180, "two runs under way")
-    workers = _children(proc.pid)
+    workers = child_pids(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=90)
-    _wait_for(lambda: not any(_alive(p) for p in workers), 60, "the sweep's workers to end")
+    wait_gone(workers, 60)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1].startswith("shaky: interrupted; the runs under way wrote checkpoints"), err
     assert "Traceback" not in err

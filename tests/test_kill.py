@@ -19,6 +19,7 @@ from typing import Callable
 
 import pytest
 
+from conftest import child_pids, default_sigint, wait_gone
 from shaky.rundir import read_metrics
 
 pytestmark = pytest.mark.kill
@@ -30,7 +31,7 @@ SEED = 20261123
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "shaky", *args], cwd=cwd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
 
 
 def _kill_at(proc: subprocess.Popen[str], delay: float, signum: int,
@@ -110,12 +111,12 @@ def test_a_sweep_stopped_at_20_random_moments_ends_identical(tmp_path: Path) -> 
         proc = _start([*sweep, "--out", "out"], tmp_path)
         delay, signum = rng.uniform(0.0, 12.0), rng.choice(SIGNALS)
         children: list[int] = []
-        stopped = _kill_at(proc, delay, signum, before=lambda: children.extend(_children(proc.pid)))
+        stopped = _kill_at(proc, delay, signum, before=lambda: children.extend(child_pids(proc.pid)))
         if stopped is None:
             break
         code, err = stopped
         assert "Traceback" not in err, err[-2000:]
-        _wait_gone(children)  # no worker outlives its sweep, whatever stopped it
+        wait_gone(children)  # no worker outlives its sweep, whatever stopped it
         kills.append((round(delay, 2), signal.Signals(signum).name, code))
     assert len(kills) == MOMENTS, kills
     final = _start([*sweep, "--out", "out"], tmp_path)
@@ -124,34 +125,3 @@ def test_a_sweep_stopped_at_20_random_moments_ends_identical(tmp_path: Path) -> 
     assert reference.wait(timeout=900) == 0
     for s in range(4):
         _same_run(tmp_path / "out" / "grid" / f"seed={s}", tmp_path / "ref" / "grid" / f"seed={s}")
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _wait_gone(pids: list[int], timeout: float = 90.0) -> None:
-    import time  # noqa: PLC0415
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z":
-                alive.append(pid)
-        if not alive:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"processes {alive} outlived their sweep by {timeout:.0f} s")
