@@ -77,6 +77,9 @@ def _network_config(network: NetworkConfig | dict[str, Any] | str | None, world_
     if cfg.trace:
         raise ValueError(f"network.trace is not supported by the averager (it draws the delivery masks from the "
                          f"seed), got {cfg.trace!r}")
+    if cfg.segment_bytes:
+        raise ValueError(f"network.segment_bytes is not supported by the averager yet (it loses whole blocks), "
+                         f"got {cfg.segment_bytes}")
     return cfg
 
 

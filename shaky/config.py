@@ -258,6 +258,9 @@ class NetworkConfig:
     """Chance per message slot that a bad link recovers; the mean burst lasts 1/burst_exit slots."""
     burst_drop_rate: float = 1.0
     """Drop probability while a link is in the bad state."""
+    segment_bytes: int = 0
+    """The unit of loss: a block's message is cut into segments (datagram payloads) of at most this many bytes,
+    each lost on its own; 0 = one message per block (a loss loses the whole block)."""
     retransmit_timeout_ms: float = 200.0
     """What a reliable transport waits before resending a lost message (Linux's minimum RTO)."""
     compute_ms: float = -1.0
@@ -278,6 +281,9 @@ class NetworkConfig:
         _check_range("network.burst_enter", self.burst_enter, 0.0, 1.0)
         _check_range("network.burst_exit", self.burst_exit, 0.0, 1.0, lo_open=True)
         _check_range("network.burst_drop_rate", self.burst_drop_rate, 0.0, 1.0)
+        if isinstance(self.segment_bytes, bool) or not isinstance(self.segment_bytes, int) or self.segment_bytes < 0:
+            raise ValueError(f"network.segment_bytes must be an integer >= 0 (0: one message per block), "
+                             f"got {self.segment_bytes!r}")
         _check_range("network.retransmit_timeout_ms", self.retransmit_timeout_ms, 0.0, math.inf,
                      hi_open=True)
         if math.isnan(self.compute_ms) or math.isinf(self.compute_ms):
@@ -356,6 +362,9 @@ class RunConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _check_choice("backend", self.backend, BACKENDS)
+        if self.backend == "dist" and self.network.segment_bytes:
+            raise ValueError(f"network.segment_bytes = {self.network.segment_bytes} needs backend sim for now: the "
+                             "dist backend's gloo exchange loses whole blocks (set network.segment_bytes = 0)")
         _check_range("dist_timeout_s", self.dist_timeout_s, 0.0, math.inf, lo_open=True, hi_open=True)
         if self.batch_sizes and len(self.batch_sizes) != self.num_workers:
             raise ValueError(f"batch_sizes has {len(self.batch_sizes)} entries but num_workers is {self.num_workers}")

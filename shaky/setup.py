@@ -140,17 +140,17 @@ def _load_trace(cfg: RunConfig) -> tuple[np.ndarray, np.ndarray]:
     cut short, damaged or of another layout is a ValueError naming it, not a crash in the middle of the run."""
     path = cfg.network.trace
     try:
-        up, down = load_trace(path, cfg.num_workers, cfg.steps)
+        up, down = load_trace(path, cfg.num_workers, cfg.steps, segment_bytes=cfg.network.segment_bytes)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever a damaged zip or array raises, the file is unusable
         raise ValueError(f"network.trace: cannot read a trace from {path!r} ({type(exc).__name__}: "
                          f"{' '.join(str(exc).split())[:120]})") from None
-    width = (cfg.num_workers * cfg.num_workers + 7) // 8
+    plane = (cfg.num_workers * cfg.num_workers + 7) // 8  # one packed [W, W] plane per segment of a block
     for name, a in (("up", up), ("down", down)):
-        if a.dtype != np.uint8 or a.ndim != 2 or a.shape[1] != width or a.shape != up.shape:
+        if a.dtype != np.uint8 or a.ndim != 2 or not a.shape[1] or a.shape[1] % plane or a.shape != up.shape:
             raise ValueError(f"network.trace {path!r}: {name} is {a.dtype} {list(a.shape)}, not the packed masks "
-                             f"of {cfg.num_workers} workers (uint8 [rounds, {width}], up and down alike); "
+                             f"of {cfg.num_workers} workers (uint8 [rounds, S x {plane}], up and down alike); "
                              "the file is damaged or not a shaky trace")
     return up, down
 
@@ -191,8 +191,8 @@ def prepare(cfg: RunConfig, *, measure: bool = True) -> Setup:
     if cfg.network.trace:
         up, down = _load_trace(cfg)
         network: NetworkModel = TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, up, down)
-    else:
-        network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed)
+    else:  # the message size sets how many segments a block has (network.segment_bytes)
+        network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed, dim=flat.dim, itemsize=dtype.itemsize)
     grad_fn, forward_fn = make_functions(model, flat)
     setup = Setup(cfg, data, shards, model, flat, network, build_strategy(cfg), cfg.network.compute_ms,
                   dtype, grad_fn, forward_fn)

@@ -4,6 +4,11 @@ Every tensor has a leading worker axis: [W, ...] in the simulator (all workers
 in one process), [1, ...] in a torch.distributed process. ``rows`` says which
 global workers the local rows are, so a strategy indexes the global delivery
 masks with it and the same line of code runs on both backends.
+
+The delivery masks of a block exchange are bool [W, W] (one message per block)
+or, when the unit of loss is a datagram's segment, [W, W, S]: ``block_sizes``
+cuts a row into W blocks and ``segment_length``/``segment_counts`` cut each
+block into segments (see :meth:`Comm.block_average`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,26 @@ def block_sizes(dim: int, num_blocks: int) -> list[int]:
     """Splits ``dim`` values into ``num_blocks`` contiguous blocks as equal as possible (larger ones first)."""
     base, extra = divmod(dim, num_blocks)
     return [base + 1] * extra + [base] * (num_blocks - extra)
+
+
+def segment_length(segment_bytes: int, itemsize: int) -> int:
+    """Values per segment when a message is cut into segments of at most ``segment_bytes`` bytes.
+
+    ``max(1, segment_bytes // itemsize)`` (a value is never split); 0 when ``segment_bytes`` is 0, which
+    means no cut: a block travels as one message.
+    """
+    return max(1, segment_bytes // itemsize) if segment_bytes > 0 else 0
+
+
+def segment_counts(dim: int, num_blocks: int, seg_len: int) -> list[int]:
+    """S_j, the segments of each block of ``block_sizes(dim, num_blocks)``: ceil(n_j / seg_len) (1 if seg_len is 0).
+
+    Segment k of block j holds the block's values [k * seg_len, min((k + 1) * seg_len, n_j)). Segment-level
+    delivery masks are [W, W, S] with S = max(1, max_j S_j); entries with k >= S_j are padding (True).
+    """
+    if seg_len <= 0:
+        return [1] * num_blocks
+    return [-(-n // seg_len) for n in block_sizes(dim, num_blocks)]
 
 
 class Handle(Protocol):
@@ -65,7 +90,7 @@ class Comm(Protocol):
 
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
-                      overwrite: bool = False) -> torch.Tensor:
+                      overwrite: bool = False, segment_bytes: int = 0) -> torch.Tensor:
         """The two-phase exchange of RPS (Yu et al. 2019) over a lossy network.
 
         x [w, D] is cut into W blocks; block j is served by worker ``servers[j]``
@@ -74,6 +99,13 @@ class Comm(Protocol):
         ``weights`` if given. Phase 2: worker i takes that average where
         ``down[server, i]``, and keeps its own block j otherwise.
 
+        With ``segment_bytes`` > 0 the unit of loss is a segment: block j is cut into
+        segments of ``segment_length(segment_bytes, x.element_size())`` values
+        (``segment_counts``), and ``up``/``down`` are bool [W, W, S]. The rule above
+        holds per segment: the server averages segment k over the senders with
+        ``up[i, server, k]``, and worker i takes it where ``down[server, i, k]``.
+        With ``segment_bytes`` 0 the masks are [W, W] (one message per block).
+
         ``overwrite``: the caller gives ``x`` up, so the result may be written into
         its storage (and ``x`` returned) instead of a new tensor.
         """
@@ -81,7 +113,7 @@ class Comm(Protocol):
 
     def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                             weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
-                            overwrite: bool = False) -> Handle:
+                            overwrite: bool = False, segment_bytes: int = 0) -> Handle:
         """:meth:`block_average`, started: the handle's ``wait()`` gives its result."""
         ...
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shaky.comm.base import Done, block_sizes
+from shaky.comm.base import Done, block_sizes, segment_counts, segment_length
 
 
 class SimComm:
@@ -28,17 +28,20 @@ class SimComm:
 
     def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                             weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
-                            overwrite: bool = False) -> Done:
-        return Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite))
+                            overwrite: bool = False, segment_bytes: int = 0) -> Done:
+        return Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite,
+                                       segment_bytes=segment_bytes))
 
     def on_step(self, step: int) -> None:
         """Nothing to report: every worker lives in this process."""
 
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
-                      overwrite: bool = False) -> torch.Tensor:
+                      overwrite: bool = False, segment_bytes: int = 0) -> torch.Tensor:
         if servers is not None:  # block j travels on the links of the worker that serves it
             up, down = up[:, servers], down[servers, :]
+        if segment_bytes:
+            return self._segment_average(x, up, down, weights, overwrite, segment_bytes)
         w, dim = x.shape
         sizes = block_sizes(dim, w)
         # Blocks come in at most two sizes (larger ones first), so each group is a
@@ -65,5 +68,49 @@ class SimComm:
             target.copy_(avg.transpose(0, 1).expand_as(blocks))
             if kept is not None:
                 target[workers, servers] = kept
+            start = stop
+        return out
+
+    def _segment_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None,
+                         overwrite: bool, segment_bytes: int) -> torch.Tensor:
+        """:meth:`block_average` per segment: masks [W, W, S] (servers already applied), block j cut into segments."""
+        w, dim = x.shape
+        sizes = block_sizes(dim, w)
+        seg = segment_length(segment_bytes, x.element_size())
+        num_segments = max(1, *segment_counts(dim, w, seg))
+        if up.shape != (w, w, num_segments) or down.shape != up.shape:
+            raise ValueError(f"segment masks must be [{w}, {w}, {num_segments}] for {w} workers, {dim} values of "
+                             f"{x.element_size()} bytes and segment_bytes {segment_bytes} ({seg} values a segment); "
+                             f"got up {list(up.shape)}, down {list(down.shape)}")
+        big = sizes.count(sizes[0])
+        groups = [(0, big, sizes[0]), (big, w, sizes[-1])] if big < w else [(0, w, sizes[0])]
+        up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None, None]
+        share = up_f / up_f.sum(0)              # [senders, servers, segments]: each arrival's weight
+        lost = ~down.transpose(0, 1)            # [workers, servers, segments]: the average did not come back
+        out = x if overwrite and x.is_contiguous() else torch.empty_like(x)
+        start = 0
+        for first, last, size in groups:
+            if size == 0:
+                continue
+            nb = last - first
+            stop = start + nb * size
+            blocks = x[:, start:stop].view(w, nb, size)
+            target = out[:, start:stop].view_as(blocks)
+            # A block's whole segments are one [W, blocks, segments, seg] view; a shorter last one is another.
+            whole, rest = divmod(size, seg)
+            pieces = ([(0, whole, seg)] if whole else []) + ([(whole, 1, rest)] if rest else [])
+            for k0, count, length in pieces:
+                cut = slice(k0 * seg, k0 * seg + count * length)
+                src = blocks[:, :, cut].unflatten(2, (count, length))   # [senders, blocks, segments, length]
+                dst = target[:, :, cut].unflatten(2, (count, length))
+                # Every server's average of every segment ...
+                if count == 1:  # one segment per block: the block rule's batched matrix product, bit for bit
+                    avg = torch.bmm(share[:, first:last, k0].T.unsqueeze(1).contiguous(),
+                                    src[:, :, 0].transpose(0, 1))                    # [servers, 1, length]
+                else:  # many short segments: a weighted sum over the senders (tiny matrix products are slow)
+                    avg = (src * share[:, first:last, k0:k0 + count, None]).sum(0)  # [servers, segments, length]
+                # ... taken by every worker except where it was lost: there it keeps its own segment. One pass,
+                # element by element, so ``dst`` may be ``src`` itself.
+                torch.where(lost[:, first:last, k0:k0 + count, None], src, avg.view(nb, count, length), out=dst)
             start = stop
         return out

@@ -12,6 +12,8 @@ The formulas are in docs/clock.md. In short:
 * A reliable transport that lost a message in a phase waits a retransmission
   timeout (``retransmit_timeout_ms`` plus the lost link's round trip) and resends
   the lost messages; an unreliable one never waits: what was lost is lost.
+* With segments (``network.segment_bytes``), a link's message is its segments
+  back to back; a lost segment is resent alone (reliable) or just lost.
 * An *exchange* is a step's phases, one after another. Exchanges share the
   links, so they use the network one at a time, in launch order (FIFO).
 * An exchange launched at step n with delay t is needed at the end of step
@@ -37,11 +39,17 @@ class PhaseTraffic:
     """One phase of an exchange: every message that crossed the network at once."""
 
     link_bytes: np.ndarray
-    """float [W, W]: bytes sent on link i -> j in this phase (0 where nothing is sent)."""
+    """float [W, W]: bytes sent on link i -> j in this phase (0 where nothing is sent); with segments
+    [W, W, S]: the bytes of segment k on link i -> j (each segment with bytes is a message)."""
     delivered: torch.Tensor
-    """bool [W, W]: whether the message on link i -> j arrived."""
+    """bool, the shape of ``link_bytes``: whether the message (segment) on link i -> j arrived."""
     reliable: bool
     """True if a lost message is detected and resent (TCP-like), False if it is just lost."""
+
+    def __post_init__(self) -> None:
+        if self.link_bytes.shape != tuple(self.delivered.shape):
+            raise ValueError(f"PhaseTraffic: link_bytes {list(self.link_bytes.shape)} and delivered "
+                             f"{list(self.delivered.shape)} must have the same shape")
 
     @property
     def sent(self) -> np.ndarray:
@@ -92,9 +100,14 @@ class Clock:
         self.state = ClockState()
 
     def _transfer_s(self, link_bytes: np.ndarray, mask: np.ndarray) -> float:
-        """One round of the messages in ``mask``: the busiest port's bytes plus its longest latency."""
+        """One round of the messages in ``mask``: the busiest port's bytes plus its longest latency.
+
+        With segments ([W, W, S]) a link carries the bytes of its segments in ``mask``, back to back.
+        """
         if not mask.any():
             return 0.0
+        if mask.ndim == 3:
+            link_bytes, mask = np.where(mask, link_bytes, 0.0).sum(axis=2), mask.any(axis=2)
         tx = np.where(mask, link_bytes / self.bytes_per_s, 0.0)
         lat = np.where(mask, self.latency_s, 0.0)
         send = tx.sum(axis=1) + lat.max(axis=1)   # sender i: its messages back to back, the farthest one last
@@ -106,8 +119,10 @@ class Clock:
         seconds = self._transfer_s(phase.link_bytes, phase.sent)
         lost = phase.lost
         if phase.reliable and lost.any():
-            # TCP's timeout is at least its minimum RTO plus a round trip (Linux: 200 ms + RTT).
-            timeout = self.rto_s + 2.0 * float(self.latency_s[lost].max())
+            # TCP's timeout is at least its minimum RTO plus a round trip (Linux: 200 ms + RTT). With segments,
+            # one timeout for the phase too, after which only the lost segments are resent.
+            lost_links = lost if lost.ndim == 2 else lost.any(axis=2)
+            timeout = self.rto_s + 2.0 * float(self.latency_s[lost_links].max())
             seconds += timeout + self._transfer_s(phase.link_bytes, lost)
         return seconds
 

@@ -5,6 +5,16 @@ Every round has two message slots, the two phases of a block exchange:
 ``down[j, i]`` whether server j's message to worker i arrived (phase 2). A
 worker's message to itself never travels, so the diagonals are always True.
 
+With ``network.segment_bytes`` > 0 the unit of loss is a segment (a datagram's
+payload) instead of a whole block: the masks are bool [W, W, S], ``up[i, j, k]``
+for segment k of block j (``shaky.comm.base.segment_counts`` gives the layout;
+entries past a block's last segment are padding, True). Every segment of a link
+is dropped on its own with the link's drop probability; with bursts, the link's
+state in a slot (good or bad) holds for all the segments it sends in that slot.
+Segment draws come from the same (seed, round) stream with a trailing segment
+axis, so a segment as large as the largest block draws exactly the block-level
+masks, and ``segment_bytes`` 0 leaves the block-level stream untouched.
+
 ``sample(round)`` is a pure function of (seed, round): every rank of a
 torch.distributed run and the simulator draw the same masks, so runs replay bit
 for bit. With Gilbert-Elliott bursts each link is a two-state Markov chain over
@@ -20,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shaky.comm.base import segment_counts, segment_length
 from shaky.config import Matrix, NetworkConfig
 from shaky.network.presets import region_of_workers, region_rtt_ms
 
@@ -29,13 +40,25 @@ _NETWORK_STREAM = 0x6E6574
 
 @dataclass(frozen=True, slots=True)
 class LinkSample:
-    """Delivery masks of one round (bool [W, W] each; True = delivered)."""
+    """Delivery masks of one round (True = delivered): bool [W, W] each, or [W, W, S] with segments.
+
+    A real transport builds one from what it observed: ``LinkSample(round, up, down, segment_bytes)``
+    with the masks laid out as below (the diagonal True, padding True).
+    """
 
     round: int
     up: torch.Tensor
-    """up[i, j]: worker i's message to server j arrived (phase 1)."""
+    """up[i, j]: worker i's message to server j arrived (phase 1); up[i, j, k]: its segment k of block j."""
     down: torch.Tensor
-    """down[j, i]: server j's message to worker i arrived (phase 2)."""
+    """down[j, i]: server j's message to worker i arrived (phase 2); down[j, i, k]: segment k of its average."""
+    segment_bytes: int = 0
+    """The segments' size in bytes (``network.segment_bytes``); 0: the masks are [W, W], one message per block."""
+
+    def __post_init__(self) -> None:
+        ndim = 2 if self.segment_bytes == 0 else 3
+        if self.up.dim() != ndim or self.down.shape != self.up.shape:
+            raise ValueError(f"LinkSample with segment_bytes {self.segment_bytes} needs masks of {ndim} dimensions, "
+                             f"up and down alike; got up {list(self.up.shape)}, down {list(self.down.shape)}")
 
 
 def as_matrix(value: float | Matrix, num_workers: int) -> np.ndarray:
@@ -68,9 +91,19 @@ def link_matrices(cfg: NetworkConfig, num_workers: int) -> tuple[np.ndarray, np.
 class NetworkModel:
     """Per-link drop probabilities (optionally bursty), latency and bandwidth for W workers."""
 
-    def __init__(self, cfg: NetworkConfig, num_workers: int, seed: int) -> None:
+    def __init__(self, cfg: NetworkConfig, num_workers: int, seed: int, *, dim: int | None = None,
+                 itemsize: int = 4) -> None:
+        """``dim`` and ``itemsize``: the values in one message (a row of the exchanged [W, D] tensor) and their
+        bytes; needed only with ``cfg.segment_bytes`` > 0, to cut each block into segments."""
         self.num_workers = num_workers
         self.seed = seed
+        self.segment_bytes = cfg.segment_bytes
+        self.dim, self.itemsize = dim, itemsize
+        # Padding of the segment masks: [block j, segment k] is True where k is past block j's last segment.
+        self._padding: np.ndarray | None = None
+        if cfg.segment_bytes and dim is not None:
+            counts = segment_counts(dim, num_workers, segment_length(cfg.segment_bytes, itemsize))
+            self._padding = np.arange(max(1, *counts))[None, :] >= np.asarray(counts)[:, None]
         self.drop = as_matrix(cfg.drop_rate, num_workers)
         self.latency_ms, self.bandwidth_mbps = link_matrices(cfg, num_workers)
         self.burst_enter = cfg.burst_enter
@@ -100,6 +133,8 @@ class NetworkModel:
 
     def sample(self, round_: int) -> LinkSample:
         """The delivery masks of ``round_``; a pure function of (seed, round_)."""
+        if self.segment_bytes:
+            return self._sample_segments(round_)
         u = self._rng(round_).random((2,) + self.drop.shape)
         drop = np.broadcast_to(self.drop, u.shape)
         if self.burst_enter > 0.0:
@@ -107,6 +142,23 @@ class NetworkModel:
         delivered = (u >= drop) | self._eye
         # down is indexed [server, worker], the sender first, like up.
         return LinkSample(round_, torch.from_numpy(delivered[0]), torch.from_numpy(delivered[1]))
+
+    def _sample_segments(self, round_: int) -> LinkSample:
+        """Segment-level masks [W, W, S]: every segment of a link dropped on its own at the link's rate."""
+        if self._padding is None:
+            raise ValueError(f"network.segment_bytes = {self.segment_bytes} cuts each block into segments, so the "
+                             "network model needs the message's size: NetworkModel(..., dim=D, itemsize=...)")
+        num_segments = self._padding.shape[1]
+        u = self._rng(round_).random((2,) + self.drop.shape + (num_segments,))
+        drop = self.drop[..., None]
+        if self.burst_enter > 0.0:  # a link's state in a slot holds for every segment it sends then
+            drop = np.where(self._advance_chain(round_)[..., None], self.burst_drop, drop)
+        delivered = (u >= drop) | self._eye[..., None]
+        # Padding past block j's last segment: up is [sender, server j, k], down is [server j, worker, k].
+        delivered[0] |= self._padding[None, :, :]
+        delivered[1] |= self._padding[:, None, :]
+        return LinkSample(round_, torch.from_numpy(delivered[0]), torch.from_numpy(delivered[1]),
+                          self.segment_bytes)
 
 
 class MaskLog:
@@ -117,31 +169,63 @@ class MaskLog:
     every step frees, so the allocator could not reuse those blocks: the heap grew by
     megabytes a step (1.4 GB after 300 steps at W = 16, and an out-of-memory kill at
     W = 64) and every step page-faulted on fresh memory.
+
+    A round is one row: for each segment k in turn, the bits of the [W, W] plane
+    ``mask[:, :, k]`` (``np.packbits``, padded to a whole byte), so a row holds S
+    planes of ceil(W*W/8) bytes (S = 1: one message per block, the plane alone).
+    The first appended round sets S; every later round must have the same.
     """
 
     def __init__(self, num_workers: int, capacity: int = 1024) -> None:
         self.num_workers = num_workers
-        width = (num_workers * num_workers + 7) // 8
+        self.num_segments = 1
+        self.segment_bytes = 0
+        self._plane = (num_workers * num_workers + 7) // 8
         # Preallocated for the planned rounds (up to 65536; beyond, append doubles it).
-        self._up = np.zeros((min(max(capacity, 1), 1 << 16), width), dtype=np.uint8)
+        self._capacity = min(max(capacity, 1), 1 << 16)
+        self._up = np.zeros((self._capacity, self._plane), dtype=np.uint8)
         self._down = np.zeros_like(self._up)
         self.rounds = 0
 
+    def _set_segments(self, num_segments: int, segment_bytes: int) -> None:
+        if self.rounds:
+            raise ValueError(f"the delivery masks changed their segments from {self.num_segments} "
+                             f"(segment_bytes {self.segment_bytes}) to {num_segments} (segment_bytes "
+                             f"{segment_bytes}) in the middle of a run")
+        self.num_segments, self.segment_bytes = num_segments, segment_bytes
+        width = num_segments * self._plane
+        # Untouched pages of np.zeros cost no memory, but keep the reservation itself moderate (64 MiB).
+        rows = max(1, min(self._capacity, (64 << 20) // width)) if num_segments > 1 else self._capacity
+        self._up = np.zeros((rows, width), dtype=np.uint8)
+        self._down = np.zeros_like(self._up)
+
     def append(self, links: LinkSample) -> None:
+        num_segments = 1 if links.up.dim() == 2 else links.up.shape[2]
+        if (num_segments, links.segment_bytes) != (self.num_segments, self.segment_bytes):
+            self._set_segments(num_segments, links.segment_bytes)
         if self.rounds == len(self._up):  # past the planned capacity: double it (rare, one large block)
             self._up = np.concatenate([self._up, np.zeros_like(self._up)])
             self._down = np.concatenate([self._down, np.zeros_like(self._down)])
-        self._up[self.rounds] = np.packbits(links.up.numpy().reshape(-1))
-        self._down[self.rounds] = np.packbits(links.down.numpy().reshape(-1))
+        self._up[self.rounds] = _pack(links.up)
+        self._down[self.rounds] = _pack(links.down)
         self.rounds += 1
 
     def packed(self) -> dict[str, np.ndarray]:
-        """Arrays [rounds, ceil(W*W/8)] of uint8, the layout of ``trace.npz``."""
-        return {"up": self._up[:self.rounds], "down": self._down[:self.rounds]}
+        """Arrays [rounds, S * ceil(W*W/8)] of uint8 and the segments' count and size: the layout of ``trace.npz``."""
+        return {"up": self._up[:self.rounds], "down": self._down[:self.rounds],
+                "num_segments": np.int64(self.num_segments), "segment_bytes": np.int64(self.segment_bytes)}
+
+
+def _pack(mask: torch.Tensor) -> np.ndarray:
+    """One round's mask, [W, W] or [W, W, S], as S packed planes of ceil(W*W/8) bytes each."""
+    if mask.dim() == 2:
+        return np.packbits(mask.numpy().reshape(-1))
+    w, _, num_segments = mask.shape
+    return np.packbits(mask.numpy().transpose(2, 0, 1).reshape(num_segments, w * w), axis=1).reshape(-1)
 
 
 def pack_masks(samples: list[LinkSample]) -> dict[str, np.ndarray]:
-    """Packs the masks of consecutive rounds into bits: arrays [R, ceil(W*W/8)] of uint8."""
+    """Packs the masks of consecutive rounds into bits: arrays [R, S * ceil(W*W/8)] of uint8 (see MaskLog)."""
     if not samples:
         return {"up": np.zeros((0, 0), np.uint8), "down": np.zeros((0, 0), np.uint8)}
     log = MaskLog(samples[0].up.shape[0], len(samples))
@@ -151,10 +235,24 @@ def pack_masks(samples: list[LinkSample]) -> dict[str, np.ndarray]:
 
 
 class TraceNetwork(NetworkModel):
-    """Replays the delivery masks recorded by an earlier run instead of sampling them."""
+    """Replays the delivery masks recorded by an earlier run instead of sampling them.
+
+    ``up`` and ``down`` are the packed rows of ``trace.npz`` ([R, S * ceil(W*W/8)], see MaskLog); S is read
+    from their width. Segment masks (S > 1, or any S when ``cfg.segment_bytes`` > 0) replay as [W, W, S]
+    with ``cfg.segment_bytes``, which must be the recorded run's (``load_trace`` checks it when asked).
+    """
 
     def __init__(self, cfg: NetworkConfig, num_workers: int, seed: int, up: np.ndarray, down: np.ndarray) -> None:
         super().__init__(cfg, num_workers, seed)
+        plane = (num_workers * num_workers + 7) // 8
+        width = up.shape[1] if up.ndim == 2 else -1
+        if width < 0 or (len(up) and (width == 0 or width % plane)) or down.shape != up.shape:
+            raise ValueError(f"network.trace: the masks are {list(up.shape)} and {list(down.shape)}, not rows of "
+                             f"packed [{num_workers}, {num_workers}] planes ({plane} bytes each)")
+        self.num_segments = max(1, width // plane)
+        if self.num_segments > 1 and not cfg.segment_bytes:
+            raise ValueError(f"network.trace holds {self.num_segments} segments per block; set "
+                             "network.segment_bytes to the recorded run's value to replay it")
         self._up, self._down = up, down
 
     @property
@@ -165,32 +263,62 @@ class TraceNetwork(NetworkModel):
         if round_ >= self.num_rounds:
             raise IndexError(f"the replayed trace holds {self.num_rounds} rounds; round {round_} was asked for")
         w = self.num_workers
-        unpack = lambda a: torch.from_numpy(np.unpackbits(a[round_], count=w * w).astype(bool).reshape(w, w))  # noqa: E731
-        return LinkSample(round_, unpack(self._up), unpack(self._down))
+        if not self.segment_bytes:
+            unpack = lambda a: torch.from_numpy(  # noqa: E731
+                np.unpackbits(a[round_], count=w * w).astype(bool).reshape(w, w))
+            return LinkSample(round_, unpack(self._up), unpack(self._down))
+        return LinkSample(round_, self._unpack_segments(self._up[round_]), self._unpack_segments(self._down[round_]),
+                          self.segment_bytes)
+
+    def _unpack_segments(self, row: np.ndarray) -> torch.Tensor:
+        """One round's row of S packed planes as a bool [W, W, S] mask."""
+        w, s = self.num_workers, self.num_segments
+        planes = np.unpackbits(row.reshape(s, -1), axis=1, count=w * w).astype(bool).reshape(s, w, w)
+        return torch.from_numpy(np.ascontiguousarray(planes.transpose(1, 2, 0)))
 
 
 TRACE_FILE = "trace.npz"
 
 
 def save_trace(run_dir: Path, packed: dict[str, np.ndarray], num_workers: int) -> None:
-    """Writes the packed masks atomically into ``run_dir/trace.npz`` (see ``shaky.rundir.atomic_write``)."""
+    """Writes the packed masks atomically into ``run_dir/trace.npz`` (see ``shaky.rundir.atomic_write``).
+
+    The file holds ``up`` and ``down`` (see MaskLog), ``num_workers``, ``num_segments`` (S) and
+    ``segment_bytes``; a trace written before segments existed has neither and reads as S = 1, 0.
+    """
     from shaky.rundir import atomic_write  # noqa: PLC0415 (rundir imports nothing of the network)
 
+    segments = {"num_segments": np.int64(packed.get("num_segments", 1)),
+                "segment_bytes": np.int64(packed.get("segment_bytes", 0))}
     atomic_write(Path(run_dir) / TRACE_FILE, lambda f: np.savez_compressed(
-        f, up=packed["up"], down=packed["down"], num_workers=np.int64(num_workers)), "wb")
+        f, up=packed["up"], down=packed["down"], num_workers=np.int64(num_workers), **segments), "wb")
 
 
-def load_trace(path: str, num_workers: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """Reads a trace from a run directory (or a trace.npz file), checking it fits this run."""
+def load_trace(path: str, num_workers: int, steps: int, *,
+               segment_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Reads a trace from a run directory (or a trace.npz file), checking it fits this run.
+
+    Returns the packed ``up`` and ``down`` rows ([rounds, S * ceil(W*W/8)] uint8, see MaskLog). With
+    ``segment_bytes`` (this run's ``network.segment_bytes``), the trace must have been recorded with it.
+    """
     p = Path(path)
     f = p / TRACE_FILE if p.is_dir() else p
     try:
         with np.load(f) as z:
             up, down, w = z["up"], z["down"], int(z["num_workers"])
+            num_segments = int(z["num_segments"]) if "num_segments" in z else 1
+            recorded_bytes = int(z["segment_bytes"]) if "segment_bytes" in z else 0
     except (OSError, KeyError, ValueError) as exc:
         raise ValueError(f"network.trace: cannot read a trace from {path!r} ({exc})") from None
     if w != num_workers:
         raise ValueError(f"network.trace {path!r} was recorded with {w} workers, but num_workers is {num_workers}")
     if up.shape[0] < steps:
         raise ValueError(f"network.trace {path!r} holds {up.shape[0]} rounds, fewer than steps = {steps}")
+    width = num_segments * ((w * w + 7) // 8)
+    if num_segments < 1 or up.ndim != 2 or up.shape[1] != width or down.shape != up.shape:
+        raise ValueError(f"network.trace {path!r}: up {list(up.shape)} and down {list(down.shape)} are not the "
+                         f"packed masks of {w} workers and {num_segments} segments per block (rows of {width} bytes)")
+    if segment_bytes is not None and segment_bytes != recorded_bytes:
+        raise ValueError(f"network.trace {path!r} was recorded with network.segment_bytes = {recorded_bytes}, "
+                         f"but network.segment_bytes is {segment_bytes}")
     return up, down

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from shaky.comm.base import Comm, Done, Handle, block_sizes
+from shaky.comm.base import Comm, Done, Handle, block_sizes, segment_length
 from shaky.network.clock import PhaseTraffic
 from shaky.network.faults import Membership, Round
 from shaky.network.model import LinkSample
@@ -55,6 +55,7 @@ class StepStats:
 
     @property
     def messages_sent(self) -> int:
+        """Messages put on the wire: segments when the round's masks are segment-level."""
         return sum(p.messages for p in self.phases)
 
     @property
@@ -136,9 +137,11 @@ class LossyBlockAverage(_Immediate):
 
     def start(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
               fn: Then = None) -> tuple[Handle, Any, StepStats]:
-        m = rnd.members
-        handle = comm.start_block_average(x, rnd.links.up, rnd.links.down, weights=m.weights,
-                                          servers=None if m.all_live else m.servers, overwrite=overwrite)
+        m, links = rnd.members, rnd.links
+        # Segment masks need their segments' size; block masks keep the call as it always was.
+        segments = {"segment_bytes": links.segment_bytes} if links.segment_bytes else {}
+        handle = comm.start_block_average(x, links.up, links.down, weights=m.weights,
+                                          servers=None if m.all_live else m.servers, overwrite=overwrite, **segments)
         stats = StepStats(block_exchange_traffic(x, comm.num_workers, rnd.links, m, reliable=False))
         return then(handle, fn), state, stats
 
@@ -277,22 +280,35 @@ def outer(opt: OuterSGD, inner: Exchange) -> Outer:
 # The traffic of an exchange, for the clock and the counters
 
 
+def _segment_values(sizes: list[int], seg_len: int) -> np.ndarray:
+    """float [blocks, S]: the values in segment k of each block (0 past a block's last segment)."""
+    num_segments = max(1, *[-(-n // seg_len) for n in sizes])
+    return np.clip(np.asarray(sizes, dtype=np.float64)[:, None] - np.arange(num_segments) * seg_len, 0, seg_len)
+
+
 @lru_cache(maxsize=64)
 def _block_link_bytes(dim: int, num_workers: int, itemsize: int, servers: tuple[int, ...] | None,
-                      live: tuple[bool, ...] | None) -> tuple[np.ndarray, np.ndarray]:
-    sizes = np.asarray(block_sizes(dim, num_workers), dtype=np.float64) * itemsize
+                      live: tuple[bool, ...] | None, seg_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes on each link in the two phases: [W, W], or [W, W, S] per segment with ``seg_len`` > 0."""
+    if seg_len:
+        sizes = _segment_values(block_sizes(dim, num_workers), seg_len) * itemsize   # [block, segment]
+    else:
+        sizes = np.asarray(block_sizes(dim, num_workers), dtype=np.float64) * itemsize
     if servers is None and live is None:
         off_diagonal = ~np.eye(num_workers, dtype=bool)
+        if seg_len:
+            off_diagonal = off_diagonal[..., None]
         up = np.where(off_diagonal, sizes[None, :], 0.0)    # worker i -> server j carries block j
         down = np.where(off_diagonal, sizes[:, None], 0.0)  # server j -> worker i carries block j
     else:
         srv = np.asarray(servers if servers is not None else range(num_workers))
         alive = np.asarray(live if live is not None else [True] * num_workers)
         # [worker i, block j]: i sends block j to its server (and gets it back) if i lives and is not the server.
+        # A server of two blocks gets both on one link: segment k of each shares that link's segment-k mask.
         carries = alive[:, None] & (np.arange(num_workers)[:, None] != srv[None, :])
-        up = np.zeros((num_workers, num_workers))
+        up = np.zeros((num_workers, num_workers) + sizes.shape[1:])
         np.add.at(up, (np.nonzero(carries)[0], srv[np.nonzero(carries)[1]]), sizes[np.nonzero(carries)[1]])
-        down = up.T.copy()
+        down = np.swapaxes(up, 0, 1).copy()
     up.flags.writeable = down.flags.writeable = False
     return up, down
 
@@ -303,26 +319,33 @@ def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSa
 
     A reliable all-reduce (reduce-scatter then all-gather) moves the same blocks as
     RPS's two phases: (W-1)/W of the vector out of and into each worker per phase.
+    With segment masks ([W, W, S], ``links.segment_bytes`` > 0) the traffic is per segment:
+    each segment is a message, and its bytes are the values it really holds.
     """
     some_dead = members is not None and not members.all_live
     servers = tuple(members.servers.tolist()) if some_dead else None
     live = tuple(members.live.tolist()) if some_dead else None
-    up, down = _block_link_bytes(params.shape[-1], num_workers, params.element_size(), servers, live)
+    seg_len = segment_length(links.segment_bytes, params.element_size())
+    up, down = _block_link_bytes(params.shape[-1], num_workers, params.element_size(), servers, live, seg_len)
     return PhaseTraffic(up, links.up, reliable), PhaseTraffic(down, links.down, reliable)
 
 
 @lru_cache(maxsize=64)
 def _ring_link_bytes(dim: int, num_workers: int, itemsize: int,
-                     order: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """Bytes on each link in each of the 2(n-1) hops of a ring all-reduce over the workers ``order``."""
+                     order: tuple[int, ...], seg_len: int = 0) -> tuple[np.ndarray, ...]:
+    """Bytes on each link in each of the 2(n-1) hops of a ring all-reduce over the workers ``order``:
+    [W, W] each, or [W, W, S] per segment of the chunks with ``seg_len`` > 0."""
     n = len(order)
-    sizes = np.asarray(block_sizes(dim, n), dtype=np.float64) * itemsize
+    if seg_len:
+        sizes = _segment_values(block_sizes(dim, n), seg_len) * itemsize   # [chunk, segment]
+    else:
+        sizes = np.asarray(block_sizes(dim, n), dtype=np.float64) * itemsize
     hops = []
     # Reduce-scatter hop s: the k-th worker of the ring passes its partial sum of chunk k - s on;
     # all-gather hop s: it passes the finished chunk k + 1 - s on.
     for first_chunk in (0, 1):
         for s in range(n - 1):
-            link = np.zeros((num_workers, num_workers))
+            link = np.zeros((num_workers, num_workers) + sizes.shape[1:])
             for k in range(n):
                 link[order[k], order[(k + 1) % n]] = sizes[(k + first_chunk - s) % n]
             link.flags.writeable = False
@@ -341,21 +364,26 @@ def ring_allreduce_traffic(x: torch.Tensor, num_workers: int, links: LinkSample,
     of the reduce-scatter takes sender i's draw in ``up`` towards the (s+1)-th live
     worker after it, the all-gather the same in ``down``, so every draw is used once
     (with a per-link drop matrix, a ring message is lost at the rate of one of its
-    sender's links in turn; see docs/clock.md).
+    sender's links in turn; see docs/clock.md). With segment masks each chunk is cut
+    into segments like a block, and its segment k takes that draw's segment k mod S
+    (a chunk has more segments than a block only when workers are dead).
     """
     order = tuple(range(num_workers)) if members is None or members.all_live else \
         tuple(torch.nonzero(members.live)[:, 0].tolist())
     n = len(order)
     if n < 2:
         return ()
-    hops = _ring_link_bytes(x.shape[-1], num_workers, x.element_size(), order)
+    seg_len = segment_length(links.segment_bytes, x.element_size())
+    hops = _ring_link_bytes(x.shape[-1], num_workers, x.element_size(), order, seg_len)
     ring = torch.tensor(order)
     senders, receivers = ring, ring.roll(-1)
+    pick = torch.arange(hops[0].shape[2]) % links.up.shape[2] if seg_len else None
     phases = []
     for h, link in enumerate(hops):
         mask = links.up if h < n - 1 else links.down
         s = h % (n - 1)
-        delivered = torch.ones(num_workers, num_workers, dtype=torch.bool)
-        delivered[senders, receivers] = mask[senders, ring.roll(-(s + 1))]
+        delivered = torch.ones(link.shape, dtype=torch.bool)
+        drawn = mask[senders, ring.roll(-(s + 1))]
+        delivered[senders, receivers] = drawn if pick is None else drawn[:, pick]
         phases.append(PhaseTraffic(link, delivered, True))
     return tuple(phases)
