@@ -1,0 +1,1177 @@
+"""The lossy data plane: RPS's two-phase block average as UDP datagrams, closed by deadlines.
+
+RPS (Yu et al., ICML 2019) lets the network lose messages instead of resending them; this module is the
+transport that actually does so. One :class:`UdpExchange` per rank binds one UDP socket and runs
+:meth:`UdpExchange.block_average`:
+
+- Phase 1: every rank cuts its row into W blocks (``block_sizes``) and each block into segments of
+  ``segment_length(segment_bytes, itemsize)`` values (``segment_counts``), and sends block j's segments,
+  one datagram each, to the rank that serves block j. The server averages each segment over the senders
+  whose segment arrived before the phase closed (its own always counts), weighted by ``weights``.
+- Phase 2: each server sends its averages to every rank; a rank takes the average of each segment that
+  arrived before the phase closed and keeps its own values for the rest.
+
+Nothing is ever resent. A phase closes when every expected datagram has arrived, when every sender's
+final datagrams have arrived (the rest were lost: one sender's datagrams travel in order, so nothing
+sent before them is still on the way; OptiReduce's early close), or at its deadline, whichever comes
+first. What arrived is reported as masks, which are the segment-level delivery masks of the simulator
+(``LinkSample``) for this rank's links:
+
+- ``up_obs`` bool [W, S]: ``up_obs[i, k]`` = sender i's segment k reached this rank in phase 1, i.e. the
+  column ``up[:, rank, :]`` of the run's [W, W, S] mask (sender, server, segment). Its own row is True.
+- ``down_obs`` bool [W, S]: ``down_obs[s, k]`` = server s's average of segment k reached this rank in
+  phase 2, i.e. ``down[:, rank, :]`` of the [W, W, S] mask (server, worker, segment). Its own row is True.
+
+S = max(1, max_j S_j); padding entries (k >= S_j) are True, and so are the rows of ranks that serve no
+block. The masks are per link, as the simulator's are (it indexes them with ``up[:, servers]``): when
+one rank serves several blocks, segment k counts on a link only if it arrived for every block that link
+carried. With the default servers (rank j serves block j) the link and the block are the same thing.
+
+Datagrams (:data:`HEADER`, then the payload, then the tag)::
+
+    offset size  field
+    0      2     magic b"SK"
+    2      1     version (1)
+    3      1     phase (1: to the server, 2: the server's average)
+    4      1     dtype (1 float16, 2 float32, 3 float64)
+    5      1     flags (bit 0: one of the sender's final datagrams to this receiver in this phase)
+    6      2     sender rank
+    8      8     run id
+    16     8     round
+    24     4     block
+    28     4     segment index in the block
+    32     4     payload length in bytes
+    36     n     payload: the segment's values, raw little-endian floats
+    36+n   16    tag: HMAC-SHA256(key, header + payload), first 16 bytes (RFC 4868's truncation)
+
+Little-endian, struct format ``<2sBBBBHQQIII``; at the default 1472-byte datagram (a 1500-byte MTU less
+the IPv4 and UDP headers) a segment holds 1420 bytes: 355 float32 or 177 float64 values.
+
+A datagram is used only if it has the right length and layout, comes from the address of the peer its
+header names, carries this run's id and a valid tag, belongs to the current round and a phase still open,
+fits the round's geometry (block served by the sender or by this rank, segment in range, length of that
+segment) and was not received before. Anything else is counted and dropped (``ExchangeStats.rejected``
+with the reason), or counted as late when it is authentic but arrived after its phase closed (this
+round's, or the previous round's first copy); it never raises. Authentic datagrams of a later round
+(a faster peer already on its next exchange) are kept, a bounded number, until that round starts. The
+phase-2 average is the same message to every rank, so its datagrams are tagged once and name no
+receiver: a copy relayed to another rank of the same run gives it that same average.
+
+Speed (``benchmarks/udp_probe.py`` measures it): a block's datagrams are built in one buffer with numpy
+(headers, payload copies) and a tag each; they leave in batches with UDP segmentation offload
+(``sendmsg`` with ``UDP_SEGMENT``: one system call for up to 44 datagrams) and arrive coalesced
+(``UDP_GRO``), where the kernel has them. A GRO batch of one sender's consecutive segments is checked
+with one comparison of its headers against the ones the sender must have written, a tag per datagram,
+and one numpy copy into place; anything unusual goes datagram by datagram. Senders interleave their
+destinations and receive between batches, and may be paced (``UdpOptions.send_rate_mbps``). The work
+is CPU-bound in Python: about 3 microseconds per datagram sent and 3 received with GSO/GRO (6 and 12
+without), half of it the HMAC.
+
+One call at a time per exchange. The call may run in a background thread while the caller computes,
+but it holds the GIL for most of its CPU time (only the system calls and the hashing of large buffers
+release it), so it overlaps with work that releases the GIL (torch's kernels), not with Python. Only
+this rank's deadline proposal is here (:class:`AdaptiveDeadline`): ranks agree on a deadline over the
+control plane.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import math
+import select
+import socket
+import struct
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shaky.comm.base import block_sizes, segment_counts, segment_length
+
+HEADER = struct.Struct("<2sBBBBHQQIII")
+"""magic, version, phase, dtype, flags, sender, run id, round, block, segment, payload bytes (36 bytes)."""
+MAGIC = b"SK"
+VERSION = 1
+TAG_BYTES = 16
+"""HMAC-SHA256 truncated to 128 bits."""
+OVERHEAD_BYTES = HEADER.size + TAG_BYTES
+FLAG_FINAL = 1
+"""Set on the sender's last ``FINAL_DATAGRAMS`` datagrams to a receiver in a phase."""
+FINAL_DATAGRAMS = 4
+"""How many datagrams at the end of each sender's stream say "that was all": the receiver may close the
+phase early once it has one of them from every sender; all of them are lost with probability p^4."""
+PHASES = (1, 2)
+DTYPE_CODES = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
+MAX_DATAGRAM_BYTES = 65507
+"""The largest UDP payload over IPv4 (and the most one GSO send may carry)."""
+MAX_GSO_SEGMENTS = 64
+KEY_BYTES = 32
+
+# Linux constants that Python's socket module does not name.
+_SOL_UDP = 17
+_UDP_SEGMENT = 103
+_UDP_GRO = 104
+_SO_SNDBUFFORCE = 32
+_SO_RCVBUFFORCE = 33
+_RECV_BUFFER = 1 << 16
+_CMSG_SPACE = socket.CMSG_SPACE(4)
+_MSG_TRUNC = int(socket.MSG_TRUNC)      # a plain int: the IntFlag's & costs microseconds per receive
+
+REJECT_REASONS = ("malformed", "unknown_sender", "wrong_run", "bad_tag", "past_round", "future_round",
+                  "duplicate")
+"""Why a datagram was dropped: bad length/layout/phase/geometry; not from the address of the peer it names;
+another run's; tag does not verify; a round before the previous one; a later round when the holding
+space is full; already received."""
+
+
+class _Mac:
+    """HMAC-SHA256 (RFC 2104) of a datagram, truncated to 16 bytes.
+
+    The pads' states are hashed once and copied per datagram: the same computation as
+    ``hmac.digest(key, msg, "sha256")[:16]`` (a test checks it), about 1.9 microseconds per 1472-byte
+    datagram against 3.6 for ``hmac.digest`` (whose OpenSSL 3 set-up is per call) and 2.8 for keyed
+    BLAKE2b, which has no SHA extensions to run on (``benchmarks/udp_probe.py --only mac``).
+    """
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, key: bytes) -> None:
+        block = key.ljust(64, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
+
+    def tag(self, data: memoryview | bytes) -> bytes:
+        inner = self._inner.copy()
+        inner.update(data)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()[:TAG_BYTES]
+
+    def tags(self, buf: memoryview, offsets: range, length: int) -> bytes:
+        """The tags of ``buf[o:o + length]`` for each offset, concatenated (one loop, no calls per datagram)."""
+        icopy, ocopy = self._inner.copy, self._outer.copy
+        out = []
+        append = out.append
+        for o in offsets:
+            inner = icopy()
+            inner.update(buf[o:o + length])
+            outer = ocopy()
+            outer.update(inner.digest())
+            append(outer.digest()[:TAG_BYTES])
+        return b"".join(out)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UdpOptions:
+    """How the data plane uses the network (every rank of a run must use the same ``datagram_bytes``)."""
+
+    datagram_bytes: int = 1472
+    """UDP payload bytes of a full datagram: header, segment and tag. 1472 fits a 1500-byte MTU (IPv4);
+    the segment is ``datagram_bytes - 52`` bytes (``UdpExchange.segment_bytes``)."""
+    buffer_bytes: int = 32 << 20
+    """Receive and send buffer asked of the kernel (SO_RCVBUFFORCE where permitted, else capped at
+    net.core.rmem_max / wmem_max); ``UdpExchange.info()`` says what was granted."""
+    send_rate_mbps: float | None = None
+    """Pace this rank's sending to this rate (a token bucket, one batch of burst); None: no pacing
+    beyond interleaving destinations and receiving between batches."""
+    offload: bool = True
+    """Use UDP segmentation offload (UDP_SEGMENT) to send and receive coalescing (UDP_GRO) where the
+    kernel has them; False sends and receives one datagram per system call."""
+    final_grace_s: float = 0.02
+    """When a sender's very last datagram was lost but another of its final ones arrived, wait this long
+    (from when every sender got that far) for the rest before closing the phase early. The final datagrams
+    leave back to back, so this only has to cover a sender being descheduled between two of them; it
+    is waited only in phases whose last datagram from some sender was lost."""
+    max_held: int = 1 << 16
+    """At most this many authentic datagrams of later rounds are kept for when their round starts."""
+
+    def __post_init__(self) -> None:
+        _int_in("datagram_bytes", self.datagram_bytes, OVERHEAD_BYTES + 8, MAX_DATAGRAM_BYTES)
+        _int_in("buffer_bytes", self.buffer_bytes, 1, 1 << 31)
+        _int_in("max_held", self.max_held, 0, 1 << 30)
+        if self.send_rate_mbps is not None and not (_is_real(self.send_rate_mbps) and
+                                                    0 < self.send_rate_mbps < math.inf):
+            raise ValueError(f"send_rate_mbps must be a positive number or None, got {self.send_rate_mbps!r}")
+        if not isinstance(self.offload, bool):
+            raise TypeError(f"offload must be a bool, got {self.offload!r}")
+        if not (_is_real(self.final_grace_s) and 0 <= self.final_grace_s < math.inf):
+            raise ValueError(f"final_grace_s must be a number >= 0, got {self.final_grace_s!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExchangeStats:
+    """What one :meth:`UdpExchange.block_average` call did (datagrams, not bytes)."""
+
+    sent: int
+    """Datagrams this rank sent, both phases."""
+    received: int
+    """Datagrams that arrived in time and were used."""
+    late: int
+    """Authentic datagrams that arrived after their phase closed (this round's, or the previous round's
+    first copy): counted, not used."""
+    rejected: int
+    """Datagrams dropped for one of ``REJECT_REASONS`` (see ``rejected_by``)."""
+    rejected_by: dict[str, int]
+    """``rejected`` by reason (only reasons that occurred)."""
+    expected: tuple[int, int]
+    """Datagrams this rank expected in phase 1 (as a server) and phase 2 (as a worker)."""
+    closed_by: tuple[str, str]
+    """How each phase closed: "complete" (all arrived), "final" (every sender's last datagrams are in,
+    some datagrams were lost) or "deadline"."""
+    phase1_s: float
+    """Seconds from the start of the call until phase 1 closed (this rank's sending included)."""
+    average_s: float
+    """Seconds spent averaging and packing the averages between the phases."""
+    phase2_s: float
+    """Seconds from the start of phase 2 until it closed."""
+    dropped_by_hook: int = 0
+    """Datagrams the test-only ``fault`` hook dropped (not in ``sent``)."""
+
+
+class AdaptiveDeadline:
+    """This rank's proposal for a phase's deadline, from how long its recent phases took (OptiReduce-style).
+
+    OptiReduce (Warraich et al., NSDI 2025) bounds every round of its all-reduce by a timeout estimated
+    from completed rounds, so that a lost packet costs a bounded wait and a slow round does not stall
+    training. Here: the ``percentile`` of the last ``window`` phase times times ``margin``, within
+    [``floor_s``, ``cap_s``]. A phase closed by its deadline only says "longer than that"; when more of
+    the window than the percentile leaves out (5% at 95) closed that way, the deadline was too short
+    and the proposal is the last proposal times ``growth``. Phases that close early because every
+    sender's final datagrams arrived are completed phases, so ordinary loss does not inflate it.
+
+    The ranks must agree on one deadline (the caller's control plane, e.g. the max of all proposals
+    by an all-reduce); this class holds only this rank's view.
+    """
+
+    def __init__(self, *, initial_s: float = 1.0, window: int = 32, percentile: float = 95.0, margin: float = 1.5,
+                 floor_s: float = 0.005, cap_s: float = 10.0, growth: float = 2.0) -> None:
+        for name, value in (("initial_s", initial_s), ("floor_s", floor_s), ("cap_s", cap_s)):
+            if not (_is_real(value) and 0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if floor_s > cap_s:
+            raise ValueError(f"floor_s must be <= cap_s, got floor_s {floor_s} and cap_s {cap_s}")
+        _int_in("window", window, 1, 1 << 20)
+        if not (_is_real(percentile) and 0 < percentile <= 100):
+            raise ValueError(f"percentile must be in (0, 100], got {percentile!r}")
+        for name, value in (("margin", margin), ("growth", growth)):
+            if not (_is_real(value) and 1 <= value < math.inf):
+                raise ValueError(f"{name} must be a number >= 1, got {value!r}")
+        self.percentile, self.margin, self.growth = float(percentile), float(margin), float(growth)
+        self.floor_s, self.cap_s = float(floor_s), float(cap_s)
+        self._samples: deque[tuple[float, bool]] = deque(maxlen=window)
+        self._current = min(max(float(initial_s), self.floor_s), self.cap_s)
+
+    def observe(self, seconds: float, *, complete: bool) -> None:
+        """One phase's time; ``complete`` False if its deadline closed it."""
+        if not (_is_real(seconds) and 0 <= seconds < math.inf):
+            raise ValueError(f"seconds must be a number >= 0, got {seconds!r}")
+        self._samples.append((float(seconds), bool(complete)))
+
+    def observe_stats(self, stats: ExchangeStats) -> None:
+        """Both phases of one exchange."""
+        self.observe(stats.phase1_s, complete=stats.closed_by[0] != "deadline")
+        self.observe(stats.phase2_s, complete=stats.closed_by[1] != "deadline")
+
+    def propose(self) -> float:
+        """This rank's proposal for the next phases' deadline, in seconds."""
+        if self._samples:
+            censored = sum(1 for _, complete in self._samples if not complete)
+            if censored > len(self._samples) * (1 - self.percentile / 100):
+                proposal = self._current * self.growth
+            else:
+                times = np.array([s for s, _ in self._samples])
+                proposal = float(np.percentile(times, self.percentile)) * self.margin
+            self._current = min(max(proposal, self.floor_s), self.cap_s)
+        return self._current
+
+
+Fault = Callable[[int, int, int, int], "str | None"]
+"""Test-only hook: (phase, block, segment, destination rank) -> None to send, "drop" or "hold" (sent at the
+end of this rank's call, after its phase 2 closed)."""
+
+
+class UdpExchange:
+    """One rank's end of the UDP data plane: a bound socket, the peers' addresses, a key and a run id.
+
+    Typical use (the control plane carries addresses and the key)::
+
+        ex = UdpExchange(rank=r, num_workers=W, key=key, run_id=run, host="10.0.0.5", ports=range(29500, 29600))
+        store.set(f"udp/{r}", f"{ex.address[0]}:{ex.address[1]}")
+        ex.connect([parse(store.get(f"udp/{i}")) for i in range(W)])
+        new_row, up_obs, down_obs, stats = ex.block_average(row, round, deadline_s=0.5)
+    """
+
+    def __init__(self, *, rank: int, num_workers: int, key: bytes, run_id: int, host: str, ports: range,
+                 options: UdpOptions | None = None) -> None:
+        """Binds the socket on ``host`` at the first free port of ``ports``.
+
+        Raises:
+            ValueError / TypeError: an argument is out of range or of the wrong type (named).
+            OSError: no port of ``ports`` is free on ``host`` (the message names the range), or ``host``
+                is not an address of this machine.
+        """
+        _int_in("num_workers", num_workers, 1, 1 << 16)
+        _int_in("rank", rank, 0, num_workers - 1)
+        if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+            raise ValueError(f"key must be {KEY_BYTES} bytes, got "
+                             f"{f'{len(key)} bytes' if isinstance(key, (bytes, bytearray)) else type(key).__name__}")
+        _int_in("run_id", run_id, 0, (1 << 64) - 1)
+        if not isinstance(ports, range) or len(ports) == 0 or ports.start < 1 or ports[-1] > 65535:
+            raise ValueError(f"ports must be a non-empty range of ports in [1, 65535], got {ports!r}")
+        options = UdpOptions() if options is None else options
+        if not isinstance(options, UdpOptions):
+            raise TypeError(f"options must be a UdpOptions, got {type(options).__name__}")
+        if sys.byteorder != "little":
+            raise RuntimeError("the UDP data plane sends raw little-endian floats; this machine is big-endian")
+        self.rank, self.num_workers, self.run_id, self.options = rank, num_workers, run_id, options
+        self._mac = _Mac(bytes(key))
+        self._ip = _resolve(host, "host")
+        if self._ip == "0.0.0.0":
+            raise ValueError("host must be the address the other ranks reach this one at, not a wildcard "
+                             f"(got {host!r}): datagrams are accepted only from the peers' own addresses")
+        self.sock = _bind(self._ip, ports)
+        try:
+            self._rcvbuf = _set_buffer(self.sock, socket.SO_RCVBUF, _SO_RCVBUFFORCE, options.buffer_bytes)
+            self._sndbuf = _set_buffer(self.sock, socket.SO_SNDBUF, _SO_SNDBUFFORCE, options.buffer_bytes)
+            self._gso = self._gro = False
+            if options.offload:
+                self._gso = _has_gso(self.sock)
+                try:
+                    self.sock.setsockopt(_SOL_UDP, _UDP_GRO, 1)
+                    self._gro = True
+                except OSError:
+                    pass
+            self.sock.setblocking(False)
+        except BaseException:
+            self.sock.close()
+            raise
+        self.address: tuple[str, int] = self.sock.getsockname()[:2]
+        """This rank's (ip, port): announce it to the other ranks."""
+        self.segment_bytes = options.datagram_bytes - OVERHEAD_BYTES
+        """Payload bytes of a full segment: the simulator's ``network.segment_bytes`` for the same masks."""
+        self.fault: Fault | None = None
+        """Test-only: decides the fate of each outgoing datagram (see :data:`Fault`)."""
+        self._peers: list[tuple[str, int]] | None = None
+        self._addr_rank: dict[tuple[str, int], int] = {}
+        self._poll = select.poll()
+        self._poll.register(self.sock, select.POLLIN)
+        self._rbuf = bytearray(_RECV_BUFFER)
+        self._rmv = memoryview(self._rbuf)
+        self._buffers: dict[object, np.ndarray] = {}
+        self._cur: _Round | None = None
+        self._prev: _Round | None = None
+        self._last_round = -1
+        self._later: list[tuple[bytes, int, tuple]] = []     # (datagram or GRO batch, its segment size or 0, sender)
+        self._later_count = 0
+        self._delayed: list[tuple[bytes, tuple[str, int]]] = []     # the fault hook's "hold"
+        self._st: _Counters = _Counters()
+        self._next_send = 0.0
+        self._max_gso = min(MAX_GSO_SEGMENTS, MAX_DATAGRAM_BYTES // options.datagram_bytes)
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    def connect(self, peers: Sequence[tuple[str, int]]) -> None:
+        """Every rank's (host, port) in rank order (this rank's own entry included, not used).
+
+        Datagrams are accepted only from these addresses, so each must be the address the peer sends
+        from: the host it bound (not a wildcard), as an IPv4 address or a name that resolves to one.
+        """
+        if len(peers) != self.num_workers:
+            raise ValueError(f"peers must have one (host, port) per rank ({self.num_workers}), got {len(peers)}")
+        resolved = []
+        for i, peer in enumerate(peers):
+            if not (isinstance(peer, (tuple, list)) and len(peer) == 2):
+                raise ValueError(f"peers[{i}] must be (host, port), got {peer!r}")
+            host, port = peer
+            _int_in(f"peers[{i}] port", port, 1, 65535)
+            resolved.append((_resolve(host, f"peers[{i}] host"), int(port)))
+        if len(set(resolved)) != len(resolved):
+            raise ValueError(f"peers must be distinct addresses, got {resolved}")
+        self._peers = resolved
+        self._addr_rank = {addr: i for i, addr in enumerate(resolved) if i != self.rank}
+
+    def info(self) -> dict[str, object]:
+        """What the kernel granted: address, buffer sizes, whether GSO/GRO are in use, values a datagram."""
+        return {"address": f"{self.address[0]}:{self.address[1]}", "rcvbuf_bytes": self._rcvbuf,
+                "sndbuf_bytes": self._sndbuf, "gso": self._gso, "gro": self._gro,
+                "datagram_bytes": self.options.datagram_bytes, "segment_bytes": self.segment_bytes,
+                "float32_per_datagram": segment_length(self.segment_bytes, 4)}
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> UdpExchange:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------------- exchange
+
+    def block_average(self, row: torch.Tensor, round: int, *, deadline_s: float,  # noqa: A002 (the paper's word)
+                      weights: torch.Tensor | Sequence[float] | None = None,
+                      servers: torch.Tensor | Sequence[int] | None = None,
+                      out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExchangeStats]:
+        """One RPS exchange of this rank's ``row`` with every other rank; see the module docstring.
+
+        Args:
+            row: this rank's values, 1-D, contiguous, on the CPU, float16/32/64 (every rank the same
+                length and dtype).
+            round: the exchange's number; strictly increasing from call to call, the same on every rank.
+            deadline_s: each phase closes at the latest this many seconds after it started.
+            weights: [W] each sender's weight in the servers' averages (None: equal). A sender of
+                weight 0 is not waited for (its data would count for nothing).
+            servers: [W] the rank serving each block (None: rank j serves block j); the same on every rank.
+            out: where to write the result (1-D like ``row``, not overlapping it); None: a new tensor.
+
+        Returns:
+            (new_row, up_obs, down_obs, stats): the averaged row; the masks bool [W, S] described in the
+            module docstring; the counters.
+        """
+        if self._peers is None:
+            raise RuntimeError("UdpExchange.connect(peers) must be called before block_average")
+        x = _check_row(row)
+        rnd = _check_round(round, self._last_round)
+        if not (_is_real(deadline_s) and 0 < deadline_s < math.inf):
+            raise ValueError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
+        srv = _check_servers(servers, self.num_workers)
+        w = _check_weights(weights, self.num_workers, x.dtype)
+        result = _check_out(out, row) if out is not None else torch.empty_like(row)
+        try:
+            up_obs, down_obs, stats = self._exchange(x, result.numpy(), rnd, srv, w, deadline_s)
+        finally:
+            self._cur = None
+        return result, torch.from_numpy(up_obs), torch.from_numpy(down_obs), stats
+
+    def _exchange(self, x: np.ndarray, res: np.ndarray, rnd: int, srv: list[int], w: np.ndarray | None,
+                  deadline_s: float) -> tuple[np.ndarray, np.ndarray, ExchangeStats]:
+        W, me = self.num_workers, self.rank
+        t_start = time.perf_counter()
+        self._st = st = _Counters()
+        state = _Round(rnd, self.run_id, x, res, srv, w, me, W, self.segment_bytes, recv=self._recv_buffers)
+        self._cur = state
+        self._take_stash()
+
+        # Phase 1: my blocks to their servers, interleaved with receiving theirs.
+        jobs = []
+        for s in _rotation(me, W):
+            blocks = [j for j in range(W) if srv[j] == s and state.nseg[j] > 0]
+            for j in blocks:
+                arr = self._pack(("p1", j), 1, j, state, x[state.starts[j]:state.starts[j] + state.sizes[j]])
+                jobs.append((s, j, arr))
+        self._send_all(jobs, state, phase=1)
+        closed1 = self._wait(state, 1, t_start + deadline_s)
+        state.open1 = False
+        t1 = time.perf_counter()
+
+        # Between the phases: my averages, and their datagrams (one set for every rank).
+        up_obs = state.up_mask()
+        mine = [j for j in range(W) if srv[j] == me and state.nseg[j] > 0]
+        jobs2 = []
+        for j in mine:
+            avg = res[state.starts[j]:state.starts[j] + state.sizes[j]]
+            state.average(j, up_obs, avg)
+            arr = self._pack(("p2", j), 2, j, state, avg)
+            jobs2.extend((r, j, arr) for r in _rotation(me, W))
+        t2 = time.perf_counter()
+
+        # Phase 2: my averages to every rank, interleaved with receiving the other servers'.
+        self._send_all(jobs2, state, phase=2)
+        closed2 = self._wait(state, 2, t2 + deadline_s)
+        state.open2 = False
+        t3 = time.perf_counter()
+        down_obs = state.down_mask()
+        state.keep_own_where_lost(down_obs)
+
+        self._prev = state.finished()
+        self._cur = None
+        self._last_round = rnd
+        delayed, self._delayed = self._delayed, []
+        for data, addr in delayed:
+            self._send_one(memoryview(data), addr)
+        stats = st.freeze(expected=(state.expected1, state.expected2), closed_by=(closed1, closed2),
+                          phase1_s=t1 - t_start, average_s=t2 - t1, phase2_s=t3 - t2)
+        return up_obs, down_obs, stats
+
+    # --------------------------------------------------------------------------------------- sending
+
+    def _buffer(self, key: object, nbytes: int) -> np.ndarray:
+        buf = self._buffers.get(key)
+        if buf is None or buf.size < nbytes:
+            buf = self._buffers[key] = np.empty(nbytes, np.uint8)
+        return buf[:nbytes]
+
+    def _recv_buffers(self, j: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        return self._buffer(("recv", j), nbytes).view(dtype).reshape(shape)
+
+    def _pack(self, key: object, phase: int, block: int, state: _Round, values: np.ndarray) -> _Packed:
+        """Block ``block``'s datagrams for ``values`` in one buffer: headers, payloads, tags."""
+        seg, psize, nseg = state.seg, state.payload, state.nseg[block]
+        size = OVERHEAD_BYTES + psize
+        buf = self._buffer(key, nseg * size)
+        rows = buf.reshape(nseg, size)
+        whole = values.size // seg
+        raw = values.view(np.uint8)
+        if whole:
+            rows[:whole, HEADER.size:HEADER.size + psize] = raw[:whole * psize].reshape(whole, psize)
+        last_len = raw.size - whole * psize     # bytes in a shorter last segment (0: none)
+        if last_len:
+            rows[whole, HEADER.size:HEADER.size + last_len] = raw[whole * psize:]
+        rows[:, :HEADER.size] = state.headers(phase, block, self.rank)
+        flat = memoryview(buf)
+        if whole:
+            tags = self._mac.tags(flat, range(0, whole * size, size), size - TAG_BYTES)
+            rows[:whole, size - TAG_BYTES:] = np.frombuffer(tags, np.uint8).reshape(whole, TAG_BYTES)
+        if last_len:
+            o, end = whole * size, whole * size + HEADER.size + last_len
+            flat[end:end + TAG_BYTES] = self._mac.tag(flat[o:end])
+        return _Packed(flat, size, nseg, OVERHEAD_BYTES + last_len if last_len else size, phase, block)
+
+    def _send_all(self, jobs: list[tuple[int, int, _Packed]], state: _Round, *, phase: int) -> None:
+        """Sends every job's datagrams, one batch per destination in turn, receiving between batches."""
+        queues = []
+        for dest, _j, packed in jobs:
+            queues.append((dest, packed, deque(_batches(packed.count, self._max_gso if self._gso else 16))))
+        # Blocks of the same destination go one after the other (its final datagrams come last).
+        order: dict[int, list] = {}
+        for dest, packed, q in queues:
+            order.setdefault(dest, []).append((packed, q))
+        active = [(dest, order[dest]) for dest in order]
+        while active:
+            still = []
+            for dest, parts in active:
+                packed, q = parts[0]
+                first, count, one_by_one = q.popleft()
+                self._send_rows(packed, first, count, dest, one_by_one)
+                if not q:
+                    parts.pop(0)
+                if parts:
+                    still.append((dest, parts))
+                self._drain()
+            active = still
+
+    def _send_rows(self, packed: _Packed, first: int, count: int, dest: int, one_by_one: bool) -> None:
+        addr = self._peers[dest]
+        if self.fault is not None:
+            fates = [self.fault(packed.phase, packed.block, k, dest) for k in range(first, first + count)]
+            k = first
+            for fate, run in _runs(fates):
+                if fate is None:
+                    self._send_batch(packed, k, run, addr, one_by_one)
+                elif fate == "drop":
+                    self._st.dropped_by_hook += run
+                elif fate == "hold":
+                    for kk in range(k, k + run):
+                        o = kk * packed.size
+                        self._delayed.append((bytes(packed.view[o:o + packed.length(kk)]), addr))
+                else:
+                    raise ValueError(f"fault hook must return None, 'drop' or 'hold', got {fate!r}")
+                k += run
+            return
+        self._send_batch(packed, first, count, addr, one_by_one)
+
+    def _send_batch(self, packed: _Packed, first: int, count: int, addr: tuple[str, int], one_by_one: bool) -> None:
+        o = first * packed.size
+        end = o + (count - 1) * packed.size + packed.length(first + count - 1)
+        self._pace(end - o)
+        if count > 1 and self._gso and not one_by_one:
+            data = packed.view[o:end]
+            try:
+                self._retrying(lambda: self.sock.sendmsg([data], [(_SOL_UDP, _UDP_SEGMENT,
+                                                                   struct.pack("H", packed.size))], 0, addr))
+                self._st.sent += count
+                return
+            except (ConnectionRefusedError, ConnectionResetError):
+                return      # an ICMP error from an earlier datagram: this batch is lost, as any may be
+            except OSError as exc:
+                if exc.errno not in (errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.ENOPROTOOPT,
+                                     errno.EOPNOTSUPP):
+                    raise
+                self._gso = False     # the path or the device cannot segment: one datagram per call from now on
+        for k in range(first, first + count):
+            a = k * packed.size
+            self._send_one(packed.view[a:a + packed.length(k)], addr)
+
+    def _send_one(self, data: memoryview, addr: tuple[str, int]) -> None:
+        try:
+            self._retrying(lambda: self.sock.sendto(data, addr))
+            self._st.sent += 1
+        except (ConnectionRefusedError, ConnectionResetError):
+            pass    # an ICMP error from an earlier datagram: that one is lost, this one may go
+
+    def _retrying(self, send: Callable[[], object]) -> None:
+        """Sends, waiting for room in the send buffer (receiving meanwhile) when the kernel has none."""
+        while True:
+            try:
+                send()
+                return
+            except (BlockingIOError, InterruptedError):
+                self._poll.modify(self.sock, select.POLLIN | select.POLLOUT)
+                try:
+                    self._poll.poll(10)
+                finally:
+                    self._poll.modify(self.sock, select.POLLIN)
+                self._drain()
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                time.sleep(0.0001)
+                self._drain()
+
+    def _pace(self, nbytes: int) -> None:
+        rate = self.options.send_rate_mbps
+        if rate is None:
+            return
+        now = time.perf_counter()
+        while self._next_send > now:
+            self._receive(self._next_send - now)
+            now = time.perf_counter()
+        self._next_send = max(self._next_send, now) + nbytes * 8 / (rate * 1e6)
+
+    # ------------------------------------------------------------------------------------- receiving
+
+    def _wait(self, state: _Round, phase: int, deadline: float) -> str:
+        """Receives until the phase is complete ("complete"), every sender's last datagram is in or, where it
+        was lost, one of its final datagrams and ``final_grace_s`` have passed ("final"), or the deadline
+        ("deadline"); returns which."""
+        progress = state.progress[phase]
+        self._drain()
+        grace_until = None
+        while True:
+            if progress.pending == 0:
+                return "complete" if progress.missing() == 0 else "final"
+            if progress.unsettled == 0 and grace_until is None:
+                grace_until = time.perf_counter() + self.options.final_grace_s
+            now = time.perf_counter()
+            if grace_until is not None and now >= grace_until:
+                return "final"
+            if now >= deadline:
+                return "deadline"
+            until = deadline if grace_until is None else min(deadline, grace_until)
+            self._receive(until - now)
+
+    def _receive(self, timeout_s: float) -> None:
+        if self._poll.poll(max(0, math.ceil(timeout_s * 1000))):
+            self._drain()
+
+    def _drain(self) -> None:
+        """Handles every datagram waiting in the socket, without blocking."""
+        sock, mv = self.sock, self._rmv
+        while True:
+            try:
+                if self._gro:
+                    n, anc, flags, addr = sock.recvmsg_into([mv], _CMSG_SPACE)
+                    if flags & _MSG_TRUNC:
+                        self._reject("malformed")
+                        continue
+                    seg = 0
+                    for level, kind, data in anc:
+                        if level == _SOL_UDP and kind == _UDP_GRO and len(data) >= 4:
+                            seg = struct.unpack_from("i", data)[0]
+                    if 0 < seg < n:
+                        self._on_batch(mv, n, seg, addr)
+                        continue
+                else:
+                    n, addr = sock.recvfrom_into(mv)
+            except (BlockingIOError, InterruptedError):
+                return
+            except (ConnectionRefusedError, ConnectionResetError):
+                continue
+            self._on_datagram(mv[:n], addr[:2], None)
+
+    def _reject(self, reason: str, count: int = 1) -> None:
+        self._st.rejected += count
+        self._st.rejected_by[reason] = self._st.rejected_by.get(reason, 0) + count
+
+    def _on_batch(self, mv: memoryview, n: int, size: int, addr: tuple) -> None:
+        """A GRO batch: datagrams of ``size`` bytes from one address (the last may be shorter)."""
+        addr = addr[:2]
+        peer = self._addr_rank.get(addr)
+        if peer is None:
+            self._reject("unknown_sender", -(-n // size))
+            return
+        state = self._cur
+        if state is not None and size >= OVERHEAD_BYTES and int.from_bytes(mv[16:24], "little") > state.round \
+                and int.from_bytes(mv[8:16], "little") == self.run_id \
+                and hmac.compare_digest(self._mac.tag(mv[:size - TAG_BYTES]), mv[size - TAG_BYTES:size]):
+            # A faster peer's next round (its first datagram is authentic): kept whole until that round starts.
+            self._keep_for_later(bytes(mv[:n]), size, addr, -(-n // size))
+            return
+        if not self._fast_batch(mv, n, size, peer):
+            for o in range(0, n, size):
+                self._on_datagram(mv[o:min(o + size, n)], addr, peer)
+
+    def _fast_batch(self, mv: memoryview, n: int, size: int, peer: int) -> bool:
+        """A batch of one sender's consecutive segments of one block, all as expected: headers compared with the
+        ones the sender must have written, tags in one loop, payloads copied with one numpy copy. False
+        (nothing done) for anything else, which then goes datagram by datagram."""
+        state = self._cur
+        hs = HEADER.size
+        m = -(-n // size)
+        last = n - (m - 1) * size - OVERHEAD_BYTES        # the last datagram's payload bytes
+        if state is None or size != OVERHEAD_BYTES + state.payload or last < 0:
+            return False
+        _magic, _version, phase, _dtcode, _flags, sender, _run, _rnd, block, k0, _length = HEADER.unpack_from(mv, 0)
+        if sender != peer:
+            return False
+        target = state.target(phase, block, sender)
+        if target is None:
+            return False
+        dest, got, nseg = target
+        if k0 + m > nseg or last != state.seg_bytes(block, k0 + m - 1) or got[k0:k0 + m].any():
+            return False
+        expected = state.headers(phase, block, sender)[k0:k0 + m]
+        if np.ndarray((m, hs), np.uint8, mv, 0, (size, 1)).tobytes() != expected.tobytes():
+            return False
+        psize = state.payload
+        full = m if last == psize else m - 1
+        tail = full * size
+        mac = self._mac
+        ours = mac.tags(mv, range(0, tail, size), hs + psize)
+        theirs = np.ndarray((full, TAG_BYTES), np.uint8, mv, hs + psize, (size, 1)).tobytes()
+        if full < m:
+            ours += mac.tag(mv[tail:tail + hs + last])
+            theirs += bytes(mv[n - TAG_BYTES:n])
+        if not hmac.compare_digest(ours, theirs):
+            return False
+        if full:
+            dest[k0 * psize:(k0 + full) * psize].reshape(full, psize)[:] = \
+                np.ndarray((full, psize), np.uint8, mv, hs, (size, 1))
+        if full < m:
+            start = (k0 + full) * psize
+            dest[start:start + last] = np.frombuffer(mv, np.uint8, count=last, offset=tail + hs)
+        got[k0:k0 + m] = True
+        state.progress[phase].arrived(sender, m, final=bool(expected[-1, 5]),
+                                      last=bool(expected[-1, 5]) and k0 + m == nseg)
+        self._st.received += m
+        return True
+
+    def _on_datagram(self, d: memoryview, addr: tuple, peer: int | None) -> None:
+        n = len(d)
+        if n < OVERHEAD_BYTES:
+            self._reject("malformed")
+            return
+        if peer is None:
+            peer = self._addr_rank.get(addr)
+            if peer is None:
+                self._reject("unknown_sender")
+                return
+        h = HEADER.unpack_from(d, 0)
+        if h[0] != MAGIC or h[1] != VERSION or h[10] != n - OVERHEAD_BYTES or h[2] not in PHASES or \
+                h[4] & ~FLAG_FINAL:
+            self._reject("malformed")
+            return
+        if h[5] != peer:
+            self._reject("unknown_sender")
+            return
+        if h[6] != self.run_id:
+            self._reject("wrong_run")
+            return
+        if not hmac.compare_digest(self._mac.tag(d[:n - TAG_BYTES]), d[n - TAG_BYTES:]):
+            self._reject("bad_tag")
+            return
+        self._accept(h, d, addr)
+
+    def _keep_for_later(self, data: bytes, size: int, addr: tuple, count: int) -> None:
+        if self._later_count + count > self.options.max_held:
+            self._reject("future_round", count)
+        else:
+            self._later.append((data, size, addr))
+            self._later_count += count
+
+    def _accept(self, h: tuple, d: memoryview, addr: tuple) -> None:
+        """An authentic datagram: used, late, held for a later round, or rejected for its round or place."""
+        _m, _v, phase, dtcode, flags, sender, _run, rnd, block, k, length = h
+        cur = self._cur
+        if cur is not None and rnd == cur.round:
+            state = cur
+        elif rnd > (cur.round if cur is not None else self._last_round):
+            self._keep_for_later(bytes(d), 0, addr, 1)
+            return
+        elif self._prev is not None and rnd == self._prev.round:
+            state = self._prev
+        else:
+            self._reject("past_round")
+            return
+        target = state.target(phase, block, sender, any_state=True)
+        if target is None or dtcode != state.dtcode or k >= target[2] or length != state.seg_bytes(block, k):
+            self._reject("malformed")
+            return
+        dest, got, nseg = target
+        if got[k]:
+            self._reject("duplicate")
+            return
+        got[k] = True
+        if state is not cur or not state.is_open(phase):
+            self._st.late += 1
+            return
+        start = k * state.payload
+        memoryview(dest)[start:start + length] = d[HEADER.size:HEADER.size + length]
+        final = bool(flags & FLAG_FINAL)
+        state.progress[phase].arrived(sender, 1, final=final, last=final and k == nseg - 1)
+        self._st.received += 1
+
+    def _take_stash(self) -> None:
+        """What arrived during an earlier call for a later round: handled now (a still later round's is kept)."""
+        later, self._later, self._later_count = self._later, [], 0
+        for data, size, addr in later:
+            if size:
+                self._on_batch(memoryview(data), len(data), size, addr)
+            else:
+                self._on_datagram(memoryview(data), addr, None)
+
+
+# ------------------------------------------------------------------------------------------- a round
+
+class _Round:
+    """One exchange's geometry, receive buffers and what has arrived.
+
+    Phase 1 (this rank as a server): ``recv[j]`` [W, S_j * seg] holds each sender's block j (its own row
+    included at averaging), ``got1[j]`` [W, S_j] which segments arrived. Phase 2 (as a worker): the
+    servers' averages land straight in ``res`` (the result), ``got2`` [W blocks, S] which arrived.
+    """
+
+    def __init__(self, number: int, run_id: int, x: np.ndarray, res: np.ndarray, srv: list[int],
+                 weights: np.ndarray | None, me: int, W: int, segment_bytes: int, *, recv: Callable) -> None:
+        self.round, self.run_id, self.me, self.W, self.srv, self.weights = number, run_id, me, W, srv, weights
+        self._headers: dict[tuple[int, int, int], np.ndarray] = {}
+        self.x, self.res = x, res
+        self.dtcode = DTYPE_CODES[x.dtype]
+        self.itemsize = x.dtype.itemsize
+        self.seg = segment_length(segment_bytes, self.itemsize)
+        self.payload = self.seg * self.itemsize
+        self.sizes = block_sizes(x.size, W)
+        self.starts = [0] * W
+        for j in range(1, W):
+            self.starts[j] = self.starts[j - 1] + self.sizes[j - 1]
+        self.nseg = segment_counts(x.size, W, self.seg) if x.size else [0] * W
+        self.S = max(1, *self.nseg)
+        self.served = [j for j in range(W) if srv[j] == me and self.nseg[j] > 0]
+        self.got1 = {j: np.zeros((W, self.nseg[j]), bool) for j in self.served}
+        self.recv = {j: recv(j, (W, self.nseg[j] * self.seg), x.dtype).view(np.uint8) for j in self.served}
+        self.got2 = np.zeros((W, self.S), bool)
+        self.res_u8 = res.view(np.uint8)
+        self.open1 = self.open2 = True
+        # Who is waited for: every other rank that sends me something (phase 1: not a sender of weight 0).
+        per_sender1 = sum(self.nseg[j] for j in self.served)
+        self.exp1 = [0 if i == me or (weights is not None and weights[i] == 0) else per_sender1 for i in range(W)]
+        self.exp2 = [0 if s == me else sum(self.nseg[j] for j in range(W) if srv[j] == s) for s in range(W)]
+        self.progress = {1: _Progress(self.exp1), 2: _Progress(self.exp2)}
+        self.expected1 = (W - 1) * per_sender1
+        self.expected2 = sum(self.exp2)
+
+    def finished(self) -> _Round:
+        """What the next round needs of this one (to tell late datagrams from repeated ones): no buffers."""
+        self.x = self.res = self.res_u8 = None
+        self.recv, self._headers = {}, {}
+        self.open1 = self.open2 = False
+        return self
+
+    def is_open(self, phase: int) -> bool:
+        return self.open1 if phase == 1 else self.open2
+
+    def headers(self, phase: int, block: int, sender: int) -> np.ndarray:
+        """[S_j, 36] the headers of the sender's datagrams of this block and phase, exactly as it writes them.
+
+        The final flag goes on the last ``FINAL_DATAGRAMS`` of the block's server's last block: a sender sends
+        a receiver its blocks in increasing order (phase 1: the blocks that receiver serves; phase 2: the
+        blocks the sender serves)."""
+        key = (phase, block, sender)
+        heads = self._headers.get(key)
+        if heads is None:
+            nseg = self.nseg[block]
+            heads = np.empty((nseg, HEADER.size), np.uint8)
+            heads[:] = np.frombuffer(HEADER.pack(MAGIC, VERSION, phase, self.dtcode, 0, sender, self.run_id,
+                                                 self.round, block, 0, self.payload), np.uint8)
+            heads[:, 28:32] = np.arange(nseg, dtype="<u4").view(np.uint8).reshape(nseg, 4)
+            server = self.srv[block]
+            if block == max(j for j in range(self.W) if self.srv[j] == server and self.nseg[j]):
+                heads[max(0, nseg - FINAL_DATAGRAMS):, 5] = FLAG_FINAL
+            last = self.seg_bytes(block, nseg - 1)
+            heads[-1, 32:36] = np.frombuffer(struct.pack("<I", last), np.uint8)
+            self._headers[key] = heads
+        return heads
+
+    def seg_bytes(self, block: int, k: int) -> int:
+        n = self.sizes[block]
+        return (min((k + 1) * self.seg, n) - k * self.seg) * self.itemsize
+
+    def target(self, phase: int, block: int, sender: int, any_state: bool = False
+               ) -> tuple[np.ndarray | None, np.ndarray, int] | None:
+        """(destination bytes, arrival row, segments) of a datagram that fits this round, else None.
+        Without ``any_state``: only for a phase still open."""
+        if not (0 <= block < self.W) or sender == self.me or not (0 <= sender < self.W):
+            return None
+        if phase == 1:
+            if self.srv[block] != self.me or block not in self.got1 or not (any_state or self.open1):
+                return None
+            recv = self.recv.get(block)
+            return (recv[sender] if recv is not None else None), self.got1[block][sender], self.nseg[block]
+        if phase == 2:
+            if self.srv[block] != sender or not (any_state or self.open2):
+                return None
+            dest = None
+            if self.res_u8 is not None:
+                start = self.starts[block] * self.itemsize
+                dest = self.res_u8[start:start + self.sizes[block] * self.itemsize]
+            return dest, self.got2[block], self.nseg[block]
+        return None
+
+    def up_mask(self) -> np.ndarray:
+        """[W senders, S]: segment k from sender i arrived for every block this rank serves."""
+        up = np.ones((self.W, self.S), bool)
+        for j in self.served:
+            up[:, :self.nseg[j]] &= self.got1[j]
+        up[self.me] = True
+        return up
+
+    def down_mask(self) -> np.ndarray:
+        """[W servers, S]: server s's average of segment k arrived for every block s serves."""
+        down = np.ones((self.W, self.S), bool)
+        for j in range(self.W):
+            s = self.srv[j]
+            if s != self.me and self.nseg[j]:
+                down[s, :self.nseg[j]] &= self.got2[j, :self.nseg[j]]
+        return down
+
+    def average(self, j: int, up: np.ndarray, out: np.ndarray) -> None:
+        """Block j's average per segment over the senders whose segment arrived (weighted), into ``out``."""
+        W, seg, nseg, n = self.W, self.seg, self.nseg[j], self.sizes[j]
+        dtype = self.x.dtype
+        vals = self.recv[j].view(dtype)                 # [W, nseg * seg]
+        vals[self.me, :n] = self.x[self.starts[j]:self.starts[j] + n]
+        w = np.ones(W, dtype) if self.weights is None else self.weights
+        arrived = up[:, :nseg]                          # [W, nseg]
+        with np.errstate(divide="ignore", invalid="ignore"):    # weights of 0 only: NaN, as the simulator gives
+            self._average(vals, w, arrived, nseg, seg, n, out)
+
+    def _average(self, vals: np.ndarray, w: np.ndarray, arrived: np.ndarray, nseg: int, seg: int, n: int,
+                 out: np.ndarray) -> None:
+        W, dtype = self.W, vals.dtype
+        everyone = arrived.all(axis=0)
+        padded = np.empty(nseg * seg, dtype)
+        if everyone.any():
+            share = (w / w.sum()).astype(dtype)[None]
+            np.matmul(share, vals, out=padded[None])    # every segment; the others are redone below
+        if not everyone.all():
+            view, dst = vals.reshape(W, nseg, seg), padded.reshape(nseg, seg)
+            if W <= 62:     # segments with the same senders share one product
+                codes = np.zeros(nseg, np.int64)
+                for i in range(W):
+                    codes |= arrived[i].astype(np.int64) << i
+                groups = [(np.array([(p >> i) & 1 for i in range(W)], bool), np.flatnonzero(codes == p))
+                          for p in np.unique(codes[~everyone]).tolist()]
+            else:
+                groups = [(arrived[:, k].copy(), np.array([k])) for k in np.flatnonzero(~everyone)]
+            for senders, ks in groups:
+                who = np.flatnonzero(senders)
+                ws = w[who]
+                share = (ws / ws.sum()).astype(dtype)
+                dst[ks] = np.tensordot(share, view[who[:, None], ks[None, :]], axes=1)
+        out[:] = padded[:n]
+
+    def keep_own_where_lost(self, down: np.ndarray) -> None:
+        """Where a server's average of a segment did not arrive, this rank keeps its own values."""
+        for j in range(self.W):
+            s = self.srv[j]
+            if s == self.me or not self.nseg[j]:
+                continue
+            lost = np.flatnonzero(~down[s, :self.nseg[j]])
+            base = self.starts[j]
+            for k in lost.tolist():
+                a = base + k * self.seg
+                b = base + min((k + 1) * self.seg, self.sizes[j])
+                self.res[a:b] = self.x[a:b]
+
+
+class _Progress:
+    """How far each sender's stream of one phase has come: waited for, finishing (one of its final datagrams is
+    in), or done (all of it, or its very last datagram, is in: what is still missing was lost)."""
+
+    __slots__ = ("expected", "count", "stage", "pending", "unsettled")
+
+    def __init__(self, expected: list[int]) -> None:
+        self.expected = expected
+        self.count = [0] * len(expected)
+        self.stage = [2 if e == 0 else 0 for e in expected]
+        self.pending = self.stage.count(0)      # senders not done
+        self.unsettled = self.pending           # senders with none of their final datagrams in
+
+    def arrived(self, sender: int, count: int, final: bool, last: bool) -> None:
+        self.count[sender] += count
+        stage = self.stage[sender]
+        if stage == 2:
+            return
+        if last or self.count[sender] >= self.expected[sender]:
+            self.stage[sender] = 2
+            self.pending -= 1
+            self.unsettled -= stage == 0
+        elif final and stage == 0:
+            self.stage[sender] = 1
+            self.unsettled -= 1
+
+    def missing(self) -> int:
+        """Datagrams of waited-for senders not (yet) here."""
+        return sum(e - c for e, c in zip(self.expected, self.count) if e)
+
+
+class _Packed:
+    """One block's datagrams in one buffer: rows of ``size`` bytes, the last ``last`` bytes long."""
+
+    __slots__ = ("view", "size", "count", "last", "phase", "block")
+
+    def __init__(self, view: memoryview, size: int, count: int, last: int, phase: int, block: int) -> None:
+        self.view, self.size, self.count, self.last, self.phase, self.block = view, size, count, last, phase, block
+
+    def length(self, k: int) -> int:
+        return self.last if k == self.count - 1 else self.size
+
+
+@dataclass(slots=True)
+class _Counters:
+    sent: int = 0
+    received: int = 0
+    late: int = 0
+    rejected: int = 0
+    dropped_by_hook: int = 0
+    rejected_by: dict[str, int] = field(default_factory=dict)
+
+    def freeze(self, **timing) -> ExchangeStats:
+        return ExchangeStats(sent=self.sent, received=self.received, late=self.late, rejected=self.rejected,
+                             rejected_by=dict(self.rejected_by), dropped_by_hook=self.dropped_by_hook, **timing)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _batches(count: int, most: int) -> list[tuple[int, int, bool]]:
+    """(first, count, one_by_one) batches of at most ``most`` rows; the last ``FINAL_DATAGRAMS`` rows go
+    together, one datagram per send (``one_by_one``).
+
+    The final datagrams leave in separate sends so that they are lost independently (a GSO batch can be
+    lost whole: on loopback it crosses netfilter and qdiscs as one packet), and back to back so that the
+    receiver, once it has one, need not wait long for the others."""
+    body = max(0, count - FINAL_DATAGRAMS)
+    out = [(a, min(most, body - a), False) for a in range(0, body, most)]
+    return out + [(body, count - body, True)] if count > body else out
+
+
+def _runs(values: list) -> list[tuple[object, int]]:
+    out: list[tuple[object, int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return out
+
+
+def _rotation(me: int, W: int) -> list[int]:
+    """The other ranks, starting after ``me``: ranks start on different destinations."""
+    return [(me + d) % W for d in range(1, W)]
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _int_in(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+def _resolve(host: object, name: str) -> str:
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"{name} must be a host name or IPv4 address, got {host!r}")
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"{name} {host!r} does not resolve to an IPv4 address ({exc})") from None
+
+
+def _bind(ip: str, ports: range) -> socket.socket:
+    for port in ports:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            sock.bind((ip, port))
+            return sock
+        except OSError as exc:
+            sock.close()
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                continue
+            raise OSError(exc.errno, f"cannot bind UDP on {ip}: {exc.strerror}") from None
+    span = f"{ports.start}-{ports[-1]}" if ports.step == 1 else repr(ports)
+    raise OSError(errno.EADDRINUSE, f"no free UDP port on {ip} in ports {span} (all {len(ports)} in use)")
+
+
+def _set_buffer(sock: socket.socket, opt: int, force: int, nbytes: int) -> int:
+    """Asks for ``nbytes`` (past the sysctl cap where this process may) and returns what was granted."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, force, nbytes)
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)
+    return sock.getsockopt(socket.SOL_SOCKET, opt) // 2   # Linux reports twice what it accounts as data
+
+
+def _has_gso(sock: socket.socket) -> bool:
+    try:
+        sock.getsockopt(_SOL_UDP, _UDP_SEGMENT)
+        return True
+    except OSError:
+        return False
+
+
+def _check_row(row: object) -> np.ndarray:
+    if not isinstance(row, torch.Tensor):
+        raise TypeError(f"row must be a torch.Tensor, got {type(row).__name__}")
+    if row.dim() != 1 or not row.is_contiguous() or row.device.type != "cpu":
+        raise ValueError(f"row must be 1-D, contiguous and on the CPU, got shape {list(row.shape)} on {row.device}"
+                         f"{'' if row.is_contiguous() else ' (not contiguous)'}")
+    x = row.detach().numpy()
+    if x.dtype not in DTYPE_CODES:
+        raise TypeError(f"row must be float16, float32 or float64, got {row.dtype}")
+    return x
+
+
+def _check_round(value: object, last: int) -> int:
+    _int_in("round", value, 0, (1 << 64) - 1)
+    if value <= last:
+        raise ValueError(f"round must increase from call to call: got {value} after {last}")
+    return int(value)
+
+
+def _check_servers(servers: object, W: int) -> list[int]:
+    if servers is None:
+        return list(range(W))
+    values = servers.tolist() if isinstance(servers, torch.Tensor) else list(servers)
+    if len(values) != W or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < W for s in values):
+        raise ValueError(f"servers must be {W} ranks in [0, {W}), got {values}")
+    return values
+
+
+def _check_weights(weights: object, W: int, dtype: np.dtype) -> np.ndarray | None:
+    if weights is None:
+        return None
+    w = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(weights)
+    if w.shape != (W,) or not np.issubdtype(w.dtype, np.number) or not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(f"weights must be {W} finite numbers >= 0, got {w.tolist()}")
+    return w.astype(dtype)
+
+
+def _check_out(out: object, row: torch.Tensor) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) or out.shape != row.shape or out.dtype != row.dtype or \
+            not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"out must be a contiguous CPU tensor like row ({list(row.shape)}, {row.dtype})")
+    a, b = out.data_ptr(), row.data_ptr()
+    if a < b + row.numel() * row.element_size() and b < a + out.numel() * out.element_size():
+        raise ValueError("out must not overlap row (row supplies the values whose average was lost)")
+    return out

@@ -1,0 +1,589 @@
+"""The UDP data plane (shaky/comm/udp.py) on 127.0.0.1: 2-4 ranks as threads (one process: the socket calls
+release the GIL), one test with 4 processes (forked from a fork server).
+
+Loss and lateness are injected deterministically by the test-only ``fault`` hook (a datagram dropped or held
+back until the sender's call ends, by phase, block, segment and destination), never by sleeps; attacks are
+datagrams queued in a rank's socket before its round starts, or sent from the hook while a round runs.
+Every result is compared with the rule computed here in numpy from the masks the ranks observed, and the
+observed masks with the drops that were injected.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import multiprocessing as mp
+import os
+import socket
+import struct
+import threading
+from contextlib import ExitStack, contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from shaky.comm.base import block_sizes
+from shaky.comm.udp import (FINAL_DATAGRAMS, HEADER, OVERHEAD_BYTES, TAG_BYTES, AdaptiveDeadline, UdpExchange,
+                            UdpOptions, _Mac)
+
+KEY = bytes(range(32))
+RUN = 7
+PORTS = range(42000, 43000)
+# 64-byte segments (16 float32 or 8 float64 a datagram). A phase whose very last datagram from a sender is
+# lost closes after a grace; no test here loses one except where it says so, and with threads descheduled
+# at will a short grace could close a phase before a sender's final datagrams are all out.
+SMALL = UdpOptions(datagram_bytes=OVERHEAD_BYTES + 64, final_grace_s=5.0)
+ROUND_TIMEOUT_S = 30.0
+
+
+@contextmanager
+def group(num_workers: int, options: UdpOptions = SMALL, key: bytes = KEY):
+    with ExitStack() as stack:
+        exs = [stack.enter_context(UdpExchange(rank=r, num_workers=num_workers, key=key, run_id=RUN,
+                                               host="127.0.0.1", ports=PORTS, options=options))
+               for r in range(num_workers)]
+        for ex in exs:
+            ex.connect([e.address for e in exs])
+        yield exs
+
+
+def run_round(exs, rows, rnd, **kwargs):
+    """Every rank's ``block_average`` in its own thread; kwargs apply to all ranks, or are callables of the rank."""
+    results: list = [None] * len(exs)
+    errors: list = []
+
+    def go(r: int) -> None:
+        try:
+            kw = {k: (v(r) if callable(v) else v) for k, v in kwargs.items()}
+            kw.setdefault("deadline_s", 10.0)
+            results[r] = exs[r].block_average(rows[r], rnd, **kw)
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the test's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(len(exs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(ROUND_TIMEOUT_S)
+        assert not t.is_alive(), "a round did not finish"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def seg_len(ex: UdpExchange, dtype: torch.dtype) -> int:
+    return ex.segment_bytes // torch.empty((), dtype=dtype).element_size()
+
+
+def masks(results):
+    """The run's [W, W, S] masks from each rank's observed ones: up[i, r, k] (sender, server) and down[s, r, k]
+    (server, worker), rank r giving column r of each."""
+    up = torch.stack([res[1] for res in results], dim=1)
+    down = torch.stack([res[2] for res in results], dim=1)
+    return up.numpy(), down.numpy()
+
+
+def reference(rows: np.ndarray, up: np.ndarray, down: np.ndarray, seg: int, weights=None, servers=None) -> np.ndarray:
+    """RPS's rule per segment, in numpy: server s = servers[j] averages segment k of block j over the senders i
+    with up[i, s, k] (weighted); worker r takes it where down[s, r, k], else keeps its own."""
+    W, D = rows.shape
+    servers = list(range(W)) if servers is None else list(servers)
+    w = np.ones(W, rows.dtype) if weights is None else np.asarray(weights, rows.dtype)
+    out = rows.copy()
+    start = 0
+    for j, n in enumerate(block_sizes(D, W)):
+        s = servers[j]
+        for k in range(math.ceil(n / seg)):
+            a, b = start + k * seg, start + min((k + 1) * seg, n)
+            share = up[:, s, k].astype(rows.dtype) * w
+            avg = (share / share.sum()) @ rows[:, a:b]
+            for r in range(W):
+                if down[s, r, k]:
+                    out[r, a:b] = avg
+        start += n
+    return out
+
+
+def expected_masks(W: int, D: int, seg: int, dropped, servers=None) -> tuple[np.ndarray, np.ndarray]:
+    """The masks a run must observe when sender i's hook drops ``dropped(i, phase, block, k, dest)``: per link,
+    segment k arrived if it arrived for every block the link carries (padding True)."""
+    servers = list(range(W)) if servers is None else list(servers)
+    nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
+    S = max(1, *nseg)
+    up = np.ones((W, W, S), bool)
+    down = np.ones((W, W, S), bool)
+    for j in range(W):
+        s = servers[j]
+        for k in range(nseg[j]):
+            for i in range(W):
+                if i != s:
+                    up[i, s, k] &= not dropped(i, 1, j, k, s)     # sender i's segment to server s
+                    down[s, i, k] &= not dropped(s, 2, j, k, i)   # server s's average to worker i
+    return up, down
+
+
+def random_rows(W: int, D: int, dtype=torch.float32, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(D, generator=g, dtype=torch.float64).to(dtype) for _ in range(W)]
+
+
+def assert_matches(results, rows, seg, *, weights=None, servers=None):
+    up, down = masks(results)
+    want = reference(torch.stack(rows).numpy(), up, down, seg, weights, servers)
+    got = torch.stack([res[0] for res in results]).numpy()
+    tol = 1e-12 if got.dtype == np.float64 else 1e-6
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    return up, down
+
+
+# ------------------------------------------------------------------------------------------ zero loss
+
+@pytest.mark.parametrize("offload", [True, False], ids=["gso-gro", "one-datagram-a-call"])
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_zero_loss_is_the_exact_mean(W: int, offload: bool) -> None:
+    D = 1000
+    rows = random_rows(W, D)
+    options = UdpOptions(datagram_bytes=SMALL.datagram_bytes, final_grace_s=5.0, offload=offload)
+    with group(W, options) as exs:
+        results = run_round(exs, rows, 0)
+        seg = seg_len(exs[0], torch.float32)
+    mean = torch.stack(rows).mean(0)
+    nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
+    for r, (new, up_obs, down_obs, stats) in enumerate(results):
+        torch.testing.assert_close(new, mean, rtol=1e-6, atol=1e-7)
+        assert up_obs.shape == down_obs.shape == (W, max(nseg)) and up_obs.all() and down_obs.all()
+        assert stats.received == sum(stats.expected) and stats.rejected == stats.late == 0
+        assert stats.closed_by == ("complete", "complete")
+        assert stats.sent == sum(nseg) - nseg[r] + (W - 1) * nseg[r]
+    assert_matches(results, rows, seg)
+
+
+def test_zero_loss_weighted_equals_the_rule_and_repeats() -> None:
+    W, D = 4, 777
+    weights = torch.tensor([1.0, 2.0, 0.5, 4.0])
+    with group(W) as exs:
+        seg = seg_len(exs[0], torch.float32)
+        for rnd in (0, 1, 5):      # rounds need only increase
+            rows = random_rows(W, D, seed=rnd)
+            results = run_round(exs, rows, rnd, weights=weights)
+            up, down = assert_matches(results, rows, seg, weights=weights.numpy())
+            assert up.all() and down.all()
+            want = (weights[:, None] * torch.stack(rows)).sum(0) / weights.sum()
+            for res in results:
+                torch.testing.assert_close(res[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_rank_and_fewer_values_than_ranks() -> None:
+    with group(1) as exs:
+        row = torch.arange(5.0)
+        new, up, down, stats = exs[0].block_average(row, 0, deadline_s=1.0)
+        assert torch.equal(new, row) and up.all() and down.all() and stats.sent == 0
+    with group(4) as exs:
+        rows = random_rows(4, 3)                # block 3 is empty: nothing sent for it, nothing awaited
+        results = run_round(exs, rows, 0)
+        for res in results:
+            torch.testing.assert_close(res[0], torch.stack(rows).mean(0))
+            assert res[3].closed_by == ("complete", "complete")
+
+
+# ----------------------------------------------------------------------------------------------- loss
+
+def _drop_rule(seed: int, nseg: list[int], rate: float = 0.3):
+    """Drops about ``rate`` of the segments, never a block's last FINAL_DATAGRAMS (so phases close early)."""
+    def dropped(sender: int, phase: int, block: int, k: int, dest: int) -> bool:
+        if k >= nseg[block] - FINAL_DATAGRAMS:
+            return False
+        h = hash((seed, sender, phase, block, k, dest)) % 1000
+        return h < rate * 1000
+    return dropped
+
+
+def _install(exs, dropped, what: str = "drop") -> None:
+    for i, ex in enumerate(exs):
+        ex.fault = (lambda i: lambda phase, block, k, dest: what if dropped(i, phase, block, k, dest) else None)(i)
+
+
+def test_injected_loss_gives_the_rule_with_the_observed_masks() -> None:
+    W, D = 4, 1000
+    rows = random_rows(W, D, seed=3)
+    weights = torch.tensor([1.0, 3.0, 2.0, 1.0])
+    with group(W) as exs:
+        seg = seg_len(exs[0], torch.float32)
+        nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
+        dropped = _drop_rule(1, nseg)
+        _install(exs, dropped)
+        results = run_round(exs, rows, 0, weights=weights)
+    up, down = assert_matches(results, rows, seg, weights=weights.numpy())
+    want_up, want_down = expected_masks(W, D, seg, dropped)
+    np.testing.assert_array_equal(up, want_up)
+    np.testing.assert_array_equal(down, want_down)
+    assert not up.all() and not down.all()
+    for r, res in enumerate(results):
+        stats = res[3]
+        assert stats.closed_by == ("complete" if up[:, r].all() else "final",
+                                   "complete" if down[:, r].all() else "final")
+        assert stats.late == stats.rejected == 0
+        assert stats.received + (~up[:, r]).sum() + (~down[:, r]).sum() == sum(stats.expected)
+    assert sum(res[3].dropped_by_hook for res in results) == (~want_up).sum() + (~want_down).sum()
+
+
+def test_float64_unequal_blocks_remapped_servers_and_loss() -> None:
+    W, D = 4, 4 * 256 + 1                  # blocks of 257, 256, 256, 256 values: 33, 32, 32, 32 segments of 8
+    servers = [1, 1, 3, 2]                 # rank 1 serves two blocks, rank 0 none
+    weights = [2.0, 1.0, 1.0, 3.0]
+    rows = random_rows(W, D, dtype=torch.float64, seed=5)
+    with group(W) as exs:
+        seg = seg_len(exs[0], torch.float64)
+        nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
+        assert seg == 8 and nseg == [33, 32, 32, 32]
+        dropped = _drop_rule(2, nseg, rate=0.2)
+        _install(exs, dropped)
+        results = run_round(exs, rows, 0, weights=torch.tensor(weights), servers=torch.tensor(servers))
+    assert all(res[0].dtype == torch.float64 for res in results)
+    up, down = assert_matches(results, rows, seg, weights=weights, servers=servers)
+    want_up, want_down = expected_masks(W, D, seg, dropped, servers)
+    np.testing.assert_array_equal(up, want_up)
+    np.testing.assert_array_equal(down, want_down)
+    assert up.shape == (W, W, 33) and up[:, [0, 2, 3], 32].all()     # padding: only block 0 has a segment 32
+    assert results[0][1].all()             # rank 0 serves nothing: its up column is all True
+
+
+def test_matches_the_simulator_segment_average() -> None:
+    """The simulator, given the masks a udp round observed, computes the same rows (the shared layout)."""
+    from shaky.comm.sim import SimComm  # noqa: PLC0415
+
+    W, D = 4, 1000
+    servers = torch.tensor([0, 2, 2, 1])
+    weights = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    rows = random_rows(W, D, seed=9)
+    with group(W) as exs:
+        seg = seg_len(exs[0], torch.float32)
+        nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
+        _install(exs, _drop_rule(4, nseg))
+        results = run_round(exs, rows, 0, weights=weights, servers=servers)
+        segment_bytes = exs[0].segment_bytes
+    up = torch.stack([res[1] for res in results], dim=1)
+    down = torch.stack([res[2] for res in results], dim=1)
+    sim = SimComm(W).block_average(torch.stack(rows), up, down, weights=weights, servers=servers,
+                                   segment_bytes=segment_bytes)
+    torch.testing.assert_close(torch.stack([res[0] for res in results]), sim, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- late, deadline
+
+def test_held_datagrams_are_late_and_not_used() -> None:
+    W, D = 4, 1000
+    rows = random_rows(W, D, seed=4)
+    held = {(1, 0, 2), (1, 0, 5), (2, 0, 7)}      # (sender, block, segment) of phase 1, to rank 0
+    with group(W) as exs:
+        seg = seg_len(exs[0], torch.float32)
+        for i in (1, 2):
+            exs[i].fault = (lambda i: lambda phase, block, k, dest:
+                            "hold" if phase == 1 and (i, block, k) in held else None)(i)
+        first = run_round(exs, rows, 0)
+        for ex in exs:
+            ex.fault = None
+        second = run_round(exs, rows, 1)
+    up, _ = assert_matches(first, rows, seg)
+    assert sorted(zip(*np.nonzero(~up))) == [(1, 0, 2), (1, 0, 5), (2, 0, 7)]
+    assert first[0][3].closed_by[0] == "final"
+    # Released after rank 0's phase 1 closed: late in round 0 (phase 2 still open) or as round 0's in round 1.
+    assert first[0][3].late + second[0][3].late == len(held)
+    assert all(res[3].rejected == 0 for res in first + second)
+    up2, down2 = assert_matches(second, rows, seg)
+    assert up2.all() and down2.all()
+
+
+def test_a_lost_last_datagram_closes_after_the_grace() -> None:
+    """Rank 2's very last average to rank 1 is lost: rank 1 has rank 2's other final datagrams, waits the
+    grace (not the deadline) for it, and closes."""
+    W, D = 4, 1000
+    rows = random_rows(W, D, seed=7)
+    with group(W, UdpOptions(datagram_bytes=SMALL.datagram_bytes, final_grace_s=0.05)) as exs:
+        seg = seg_len(exs[0], torch.float32)
+        last = math.ceil(block_sizes(D, W)[2] / seg) - 1
+        exs[2].fault = lambda phase, block, k, dest: "drop" if (phase, block, k, dest) == (2, 2, last, 1) else None
+        results = run_round(exs, rows, 0, deadline_s=20.0)
+    _, down = assert_matches(results, rows, seg)
+    assert sorted(zip(*np.nonzero(~down))) == [(2, 1, last)]
+    assert results[1][3].closed_by == ("complete", "final")
+
+
+def test_a_phase_closes_at_its_deadline() -> None:
+    """Sender 1's whole block to rank 0 is held (its final datagrams too): rank 0's phase 1 ends at its
+    deadline, without sender 1; the others wait longer, so they get rank 0's average."""
+    W, D = 4, 1000
+    rows = random_rows(W, D, seed=6)
+    with group(W) as exs:
+        seg = seg_len(exs[0], torch.float32)
+        exs[1].fault = lambda phase, block, k, dest: "hold" if phase == 1 and dest == 0 else None
+        first = run_round(exs, rows, 0, deadline_s=lambda r: 0.3 if r == 0 else 10.0)
+        exs[1].fault = None
+        second = run_round(exs, rows, 1)
+    up, down = assert_matches(first, rows, seg)
+    assert not up[1, 0].any() and up[[0, 2, 3], 0].all() and up[:, 1:].all() and down.all()
+    stats = first[0][3]
+    assert stats.closed_by[0] == "deadline" and stats.phase1_s >= 0.3
+    assert first[0][3].late + second[0][3].late == math.ceil(D / W / seg)
+
+
+def test_a_faster_peers_next_round_is_kept_for_it() -> None:
+    """Rank 0 waits out its phase-2 deadline in round 0 (rank 1's final averages to it are dropped) while the
+    others already send round 1: what rank 0 reads of round 1 meanwhile is used when its round 1 starts."""
+    W, D = 4, 1000
+    rows = [random_rows(W, D, seed=20 + r) for r in range(2)]
+    results: dict[tuple[int, int], tuple] = {}
+    errors: list = []
+    with group(W) as exs:
+        seg = seg_len(exs[0], torch.float32)
+        last = math.ceil(block_sizes(D, W)[1] / seg) - FINAL_DATAGRAMS
+        exs[1].fault = lambda phase, block, k, dest: "drop" if (phase, dest) == (2, 0) and k >= last else None
+
+        def rank(r: int) -> None:
+            try:
+                for rnd in range(2):
+                    deadline = 1.0 if (r, rnd) == (0, 0) else 10.0
+                    results[r, rnd] = exs[r].block_average(rows[rnd][r], rnd, deadline_s=deadline)
+                    exs[r].fault = None
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(W)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(2 * ROUND_TIMEOUT_S)
+            assert not t.is_alive()
+    assert not errors, errors
+    first = [results[r, 0] for r in range(W)]
+    _, down = assert_matches(first, rows[0], seg)
+    assert not down[1, 0, last:].any() and first[0][3].closed_by[1] == "deadline"
+    second = [results[r, 1] for r in range(W)]
+    up, down = assert_matches(second, rows[1], seg)
+    assert up.all() and down.all()
+    assert second[0][3].received == sum(second[0][3].expected) and second[0][3].rejected == 0
+
+
+def test_paced_sending_gives_the_same_result() -> None:
+    W, D = 3, 600
+    rows = random_rows(W, D, seed=8)
+    with group(W, UdpOptions(datagram_bytes=SMALL.datagram_bytes, final_grace_s=5.0, send_rate_mbps=20.0)) as exs:
+        results = run_round(exs, rows, 0)
+    for res in results:
+        torch.testing.assert_close(res[0], torch.stack(rows).mean(0))
+        assert res[3].closed_by == ("complete", "complete")
+
+
+# ---------------------------------------------------------------------------------------------- attacks
+
+def craft(key: bytes, *, phase: int, sender: int, rnd: int, block: int, k: int, payload: bytes, final: bool = False,
+          run: int = RUN, dtype_code: int = 2, tag: bytes | None = None) -> bytes:
+    """A datagram built from the documented format alone (struct + hmac), as an attacker with the key would."""
+    head = HEADER.pack(b"SK", 1, phase, dtype_code, int(final), sender, run, rnd, block, k, len(payload))
+    body = head + payload
+    return body + (hmac.digest(key, body, "sha256")[:TAG_BYTES] if tag is None else tag)
+
+
+def segment_payload(row: torch.Tensor, W: int, block: int, k: int, seg: int) -> bytes:
+    start = sum(block_sizes(row.numel(), W)[:block])
+    n = block_sizes(row.numel(), W)[block]
+    return row[start + k * seg:start + min((k + 1) * seg, n)].numpy().tobytes()
+
+
+def test_attacks_change_nothing_and_are_rejected() -> None:
+    W, D = 4, 1000
+    rounds = [random_rows(W, D, seed=10 + r) for r in range(3)]
+    with group(W) as exs:                         # the same three rounds without an attacker
+        baseline = [run_round(exs, rounds[r], r) for r in range(3)]
+
+    with group(W) as exs, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+        stranger.bind(("127.0.0.1", 0))
+        seg = seg_len(exs[0], torch.float32)
+        attacked = [run_round(exs, rounds[r], r) for r in range(2)]
+        rng = np.random.default_rng(0)
+        # Queued in every rank's socket before round 2 starts, so each is handled (and counted) in round 2.
+        for target in range(W):
+            s = (target + 1) % W                  # a real peer's socket: datagrams from a known address
+            peer = exs[s].sock
+            genuine = craft(KEY, phase=1, sender=s, rnd=1, block=target, k=0,
+                            payload=segment_payload(rounds[1][s], W, target, 0, seg))
+            bad = [
+                genuine[:OVERHEAD_BYTES - 1],                                    # truncated below a header
+                genuine[:-5],                                                    # truncated: wrong length
+                genuine[:-TAG_BYTES] + bytes(TAG_BYTES),                         # forged tag
+                craft(os.urandom(32), phase=1, sender=s, rnd=2, block=target, k=1, payload=bytes(64)),  # wrong key
+                craft(KEY, phase=3, sender=s, rnd=2, block=target, k=1, payload=bytes(64)),  # unknown phase
+                craft(KEY, phase=1, sender=s, rnd=2, block=target, k=999, payload=bytes(64)),  # segment out of range
+                craft(KEY, phase=1, sender=s, rnd=2, block=target, k=0, payload=bytes(8)),   # wrong payload length
+                craft(KEY, phase=1, sender=s, rnd=2, block=(target + 1) % W, k=0, payload=bytes(64)),  # not its block
+                craft(KEY, phase=1, sender=(s + 1) % W, rnd=2, block=target, k=0, payload=bytes(64)),  # other's name
+                craft(KEY, phase=1, sender=s, rnd=2, block=target, k=0, payload=bytes(64), run=RUN + 1),  # other run
+                genuine,                                                         # replay: last round, received
+                craft(KEY, phase=1, sender=s, rnd=0, block=target, k=0,          # replay: two rounds ago
+                      payload=segment_payload(rounds[0][s], W, target, 0, seg)),
+            ]
+            for data in bad:
+                peer.sendto(data, exs[target].address)
+            for _ in range(5):
+                stranger.sendto(rng.bytes(int(rng.integers(1, 1500))), exs[target].address)
+            stranger.sendto(genuine, exs[target].address)                        # a real datagram, wrong address
+        # During round 2: each time rank 1 sends block 0's segment 3 to rank 0, an exact copy goes too.
+        dup = craft(KEY, phase=1, sender=1, rnd=2, block=0, k=3, payload=segment_payload(rounds[2][1], W, 0, 3, seg))
+        exs[1].fault = lambda phase, block, k, dest: (exs[1].sock.sendto(dup, exs[0].address) and None) \
+            if (phase, block, k, dest) == (1, 0, 3, 0) else None
+        attacked.append(run_round(exs, rounds[2], 2))
+
+    for r in range(3):
+        for base, hit in zip(baseline[r], attacked[r]):
+            assert torch.equal(base[0], hit[0]), f"round {r}: the attacker changed a result"
+            assert torch.equal(base[1], hit[1]) and torch.equal(base[2], hit[2])
+    stats = [res[3] for res in attacked[2]]
+    for st in stats:
+        assert st.rejected >= 18 and st.late == 0
+        assert {"malformed", "unknown_sender", "wrong_run", "bad_tag", "past_round", "duplicate"} <= set(st.rejected_by)
+        assert st.received == sum(st.expected)
+    assert stats[0].rejected_by["duplicate"] == 2       # the replay of round 1, and rank 1's copy (or original)
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+
+def test_no_free_port_names_the_range() -> None:
+    with ExitStack() as stack:
+        for base in range(45000, 46000, 3):     # three consecutive ports, all bound here
+            socks = []
+            try:
+                for port in range(base, base + 3):
+                    socks.append(stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)))
+                    socks[-1].bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+        with pytest.raises(OSError, match=f"no free UDP port on 127.0.0.1 in ports {base}-{base + 2} "
+                                          r"\(all 3 in use\)"):
+            UdpExchange(rank=0, num_workers=2, key=KEY, run_id=1, host="127.0.0.1", ports=range(base, base + 3))
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="key must be 32 bytes, got 5 bytes"):
+        UdpExchange(rank=0, num_workers=2, key=b"short", run_id=1, host="127.0.0.1", ports=PORTS)
+    with pytest.raises(ValueError, match="rank must be in"):
+        UdpExchange(rank=2, num_workers=2, key=KEY, run_id=1, host="127.0.0.1", ports=PORTS)
+    with pytest.raises(ValueError, match="ports must be"):
+        UdpExchange(rank=0, num_workers=2, key=KEY, run_id=1, host="127.0.0.1", ports=range(70000, 70001))
+    with pytest.raises(ValueError, match="host '::1' does not resolve to an IPv4 address"):
+        UdpExchange(rank=0, num_workers=2, key=KEY, run_id=1, host="::1", ports=PORTS)
+    with pytest.raises(ValueError, match="datagram_bytes must be in"):
+        UdpOptions(datagram_bytes=40)
+    with pytest.raises(ValueError, match="send_rate_mbps"):
+        UdpOptions(send_rate_mbps=0)
+    with group(2) as exs:
+        ex = exs[0]
+        row = torch.zeros(10)
+        with pytest.raises(ValueError, match="deadline_s must be a positive number"):
+            ex.block_average(row, 0, deadline_s=0)
+        with pytest.raises(ValueError, match=r"servers must be 2 ranks in \[0, 2\)"):
+            ex.block_average(row, 0, deadline_s=1, servers=[0, 2])
+        with pytest.raises(ValueError, match="weights must be 2 finite numbers"):
+            ex.block_average(row, 0, deadline_s=1, weights=[1.0, -1.0])
+        with pytest.raises(TypeError, match="row must be float16, float32 or float64"):
+            ex.block_average(torch.zeros(10, dtype=torch.int32), 0, deadline_s=1)
+        with pytest.raises(ValueError, match="row must be 1-D"):
+            ex.block_average(torch.zeros(2, 5), 0, deadline_s=1)
+        with pytest.raises(ValueError, match="out must not overlap row"):
+            ex.block_average(row, 0, deadline_s=1, out=row)
+        with pytest.raises(ValueError, match="peers must have one"):
+            ex.connect([ex.address])
+        ex.block_average(row, 3, deadline_s=0.05)    # rank 1 never answers: both phases end at the deadline
+        with pytest.raises(ValueError, match="round must increase from call to call: got 3 after 3"):
+            ex.block_average(row, 3, deadline_s=1)
+    with UdpExchange(rank=0, num_workers=2, key=KEY, run_id=1, host="127.0.0.1", ports=PORTS) as lone:
+        with pytest.raises(RuntimeError, match="connect"):
+            lone.block_average(torch.zeros(4), 0, deadline_s=1)
+
+
+def test_socket_buffers_and_offload_are_reported() -> None:
+    with group(2, UdpOptions(buffer_bytes=1 << 20)) as exs:
+        info = exs[0].info()
+    assert info["rcvbuf_bytes"] >= 1 << 16 and info["sndbuf_bytes"] >= 1 << 16
+    assert info["segment_bytes"] == 1472 - OVERHEAD_BYTES and info["float32_per_datagram"] == 355
+    assert isinstance(info["gso"], bool) and isinstance(info["gro"], bool)
+
+
+def test_tag_is_hmac_sha256_truncated() -> None:
+    data = os.urandom(1456)
+    assert _Mac(KEY).tag(data) == hmac.digest(KEY, data, "sha256")[:16]
+    buf = memoryview(bytearray(os.urandom(3 * 100)))
+    assert _Mac(KEY).tags(buf, range(0, 300, 100), 84) == b"".join(
+        hmac.digest(KEY, buf[o:o + 84], "sha256")[:16] for o in range(0, 300, 100))
+    assert HEADER.size == 36 and struct.calcsize("<2sBBBBHQQIII") == 36
+
+
+def test_adaptive_deadline() -> None:
+    d = AdaptiveDeadline(initial_s=1.0, window=10, percentile=90, margin=2.0, floor_s=0.01, cap_s=4.0)
+    assert d.propose() == 1.0
+    for t in [0.1] * 9 + [0.2]:
+        d.observe(t, complete=True)
+    assert d.propose() == pytest.approx(2.0 * np.percentile([0.1] * 9 + [0.2], 90))
+    for _ in range(5):                      # half the window hit the deadline: too short, it grows
+        d.observe(0.3, complete=False)
+    first = d.propose()
+    assert first == pytest.approx(2 * 0.22)
+    assert d.propose() == pytest.approx(4 * 0.22)
+    for _ in range(10):
+        d.propose()
+    assert d.propose() == 4.0               # the cap
+    for _ in range(10):
+        d.observe(0.001, complete=True)
+    assert d.propose() == 0.01              # the floor
+    with pytest.raises(ValueError, match="floor_s must be <= cap_s"):
+        AdaptiveDeadline(floor_s=2.0, cap_s=1.0)
+    with pytest.raises(ValueError, match="percentile must be in"):
+        AdaptiveDeadline(percentile=0)
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+def _process_rank(rank: int, W: int, ports: list[int], D: int, bound, queue) -> None:
+    torch.set_num_threads(1)
+    ex = UdpExchange(rank=rank, num_workers=W, key=KEY, run_id=RUN, host="127.0.0.1",
+                     ports=range(ports[rank], ports[rank] + 1), options=UdpOptions(final_grace_s=5.0))
+    ex.connect([("127.0.0.1", p) for p in ports])
+    bound.wait(60)      # a datagram to a port not bound yet is lost (the control plane's barrier, in a real run)
+    rows = random_rows(W, D, seed=1)
+    out = []
+    for rnd in range(2):
+        new, up, down, stats = ex.block_average(rows[rank], rnd, deadline_s=20.0)
+        out.append((new.numpy(), bool(up.all() and down.all()), stats.received == sum(stats.expected)))
+    queue.put((rank, out))
+    ex.close()
+
+
+def test_four_processes() -> None:
+    W, D = 4, 100_000
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(W)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    # A fork server that has imported torch once forks the ranks: four spawned interpreters would each
+    # import torch (seconds apiece on two cores), and forking this process (threads, state) is unsafe.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "shaky.comm.udp"])
+    queue, bound = ctx.Queue(), ctx.Barrier(W)
+    procs = [ctx.Process(target=_process_rank, args=(r, W, ports, D, bound, queue), daemon=True) for r in range(W)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(queue.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    mean = torch.stack(random_rows(W, D, seed=1)).mean(0).numpy()
+    for r in range(W):
+        for new, all_arrived, complete in got[r]:
+            assert all_arrived and complete
+            np.testing.assert_allclose(new, mean, rtol=1e-6, atol=1e-7)
