@@ -587,3 +587,67 @@ def test_four_processes() -> None:
         for new, all_arrived, complete in got[r]:
             assert all_arrived and complete
             np.testing.assert_allclose(new, mean, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------ real loss
+
+REAL_LOSS_SCRIPT = r"""
+import json, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from test_udp import group, masks, random_rows, reference, run_round, seg_len, UdpOptions, OVERHEAD_BYTES
+import numpy as np, torch
+# This runs inside a private network namespace: only its own loopback exists.
+subprocess.run(["ip", "link", "set", "lo", "up", "mtu", "1500"], check=True)
+subprocess.run(["iptables", "-A", "INPUT", "-i", "lo", "-p", "udp", "-m", "statistic", "--mode", "random",
+                "--probability", sys.argv[2], "-j", "DROP"], check=True)
+opts = UdpOptions(datagram_bytes=OVERHEAD_BYTES + 256, offload=False, final_grace_s=0.2)
+W, D = 4, 20000
+lost = total = 0
+with group(W, opts) as exs:
+    seg = seg_len(exs[0], torch.float32)
+    for rnd in range(3):
+        rows = random_rows(W, D, seed=rnd)
+        results = run_round(exs, rows, rnd, deadline_s=5.0)
+        up, down = masks(results)
+        want = reference(torch.stack(rows).numpy(), up, down, seg)
+        got = torch.stack([res[0] for res in results]).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        off = ~np.eye(W, dtype=bool)
+        lost += int((~up[off]).sum() + (~down[off]).sum())
+        total += int(up[off].size + down[off].size)
+print(json.dumps({"lost": lost, "total": total}))
+"""
+
+
+def _real_loss_unavailable() -> str:
+    import os  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    if os.geteuid() != 0:
+        return "real-loss tests need root (a network namespace and an iptables rule)"
+    for tool in ("unshare", "ip", "iptables"):
+        if shutil.which(tool) is None:
+            return f"real-loss tests need {tool} (apt-get install iptables iproute2 util-linux)"
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True)
+    return "" if probe.returncode == 0 else "real-loss tests need unshare --net (a network namespace)"
+
+
+def test_real_packet_loss_gives_the_rule_with_what_arrived(tmp_path) -> None:
+    """Inside a private network namespace an iptables rule drops 10% of the UDP packets on its loopback:
+    every round's result is RPS's rule applied to the masks of what really arrived, and some did not."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    why = _real_loss_unavailable()
+    if why:
+        pytest.skip(why)
+    script = tmp_path / "real_loss.py"
+    script.write_text(REAL_LOSS_SCRIPT)
+    done = subprocess.run(["unshare", "--net", sys.executable, str(script), str(Path(__file__).parent), "0.1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 0.03 < found["lost"] / found["total"] < 0.4, found
