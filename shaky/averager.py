@@ -207,7 +207,7 @@ class ModelAverager:
         # (construct the averager before training, as torch's averagers are).
         groups = _groups(self.params, [])
         self.outer_state: list[OuterState] | None = None if outer_optimizer is None else \
-            self._outer_init(groups, [g.flatten() for g in groups])
+            _outer_init(outer_optimizer, groups, [g.flatten() for g in groups])
         self.steps = 0
         self.bytes_sent = 0
         self.messages_sent = 0
@@ -263,7 +263,7 @@ class ModelAverager:
         if self.schedule.in_warmup(step):
             averaged = [self.comm.mean(v) for v in vecs]
             if self.outer is not None:  # warm-up averages exactly; the outer step starts after it
-                self.outer_state = self._outer_init(groups, averaged)
+                self.outer_state = _outer_init(self.outer, groups, averaged)
         else:
             rnd = Round(self._rounds_before(step), self.network.sample(self._rounds_before(step)), self.members)
             averaged, stats = [], []
@@ -273,32 +273,10 @@ class ModelAverager:
                 stats.append(st)
             if stats:
                 self._count(_merge_stats(stats))
-            if self.outer is not None:
-                averaged = self._outer_step(groups, averaged)
+            if self.outer is not None and self.outer_state is not None:
+                averaged, self.outer_state = _outer_step(self.outer, self.outer_state, groups, averaged)
         for g, a in zip(groups, averaged):
             g.write(a)
-
-    def _outer_init(self, groups: list[_Group], averaged: list[torch.Tensor]) -> list[OuterState]:
-        """One outer state per group with parameters (those come first: ``_groups`` orders them so)."""
-        assert self.outer is not None
-        return [self.outer.init(a[:, :g.num_param_values]) for g, a in zip(groups, averaged) if g.params]
-
-    def _outer_step(self, groups: list[_Group], averaged: list[torch.Tensor]) -> list[torch.Tensor]:
-        assert self.outer is not None and self.outer_state is not None
-        with_params = [(g, a) for g, a in zip(groups, averaged) if g.params]
-        anchors = [(str(s.anchor.dtype), s.anchor.shape[1]) for s in self.outer_state]
-        now = [(str(a.dtype), g.num_param_values) for g, a in with_params]
-        if anchors != now:
-            raise ValueError(f"the model's parameters changed since the averager was built (outer anchors "
-                             f"{anchors}, parameters now {now}); build it after model.to(...)")
-        out, states = list(averaged), []
-        for k, ((g, a), state) in enumerate(zip(with_params, self.outer_state)):
-            n = g.num_param_values
-            new, state = self.outer.update(a[:, :n], state)
-            out[k] = torch.cat([new, a[:, n:]], dim=1) if g.buffers else new
-            states.append(state)
-        self.outer_state = states
-        return out
 
     def _count(self, stats: StepStats) -> None:
         self.bytes_sent += stats.bytes_sent
@@ -417,3 +395,26 @@ class RPSAverager(ModelAverager):
                  warmup_steps: int = 0, seed: int = 0, average_buffers: bool = True) -> None:
         super().__init__(model, network=network, period=1, warmup_steps=warmup_steps, seed=seed,
                          average_buffers=average_buffers)
+
+
+def _outer_init(outer: OuterSGD, groups: list[_Group], averaged: list[torch.Tensor]) -> list[OuterState]:
+    """One outer state per group with parameters (those come first: ``_groups`` orders them so)."""
+    return [outer.init(a[:, :g.num_param_values]) for g, a in zip(groups, averaged) if g.params]
+
+
+def _outer_step(outer: OuterSGD, states: list[OuterState], groups: list[_Group],
+                averaged: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[OuterState]]:
+    """The outer optimizer's step on each group's parameters (its buffers pass through as averaged)."""
+    with_params = [(g, a) for g, a in zip(groups, averaged) if g.params]
+    anchors = [(str(s.anchor.dtype), s.anchor.shape[1]) for s in states]
+    now = [(str(a.dtype), g.num_param_values) for g, a in with_params]
+    if anchors != now:
+        raise ValueError(f"the model's parameters changed since the averager was built (outer anchors "
+                         f"{anchors}, parameters now {now}); build it after model.to(...)")
+    out, new_states = list(averaged), []
+    for k, ((g, a), state) in enumerate(zip(with_params, states)):
+        n = g.num_param_values
+        new, state = outer.update(a[:, :n], state)
+        out[k] = torch.cat([new, a[:, n:]], dim=1) if g.buffers else new
+        new_states.append(state)
+    return out, new_states

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import socket
@@ -51,6 +52,14 @@ def run(cfg: RunConfig, run_dir: Path, **kwargs: Any) -> tuple[dict[str, Any], t
 
 def without_wall_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows]
+
+
+def assert_same_run(got: Path, want: Path) -> None:
+    """Two run directories hold the same results: summary.json and every metrics row, in every number but
+    the wall time (a measurement of the machine, not a result)."""
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (got, want)]
+    assert without_wall_time(summaries[:1]) == without_wall_time(summaries[1:])
+    assert without_wall_time(read_metrics(got)) == without_wall_time(read_metrics(want))
 
 
 def everyone(links: LinkSample, step: int | None = None) -> Round:

@@ -6,7 +6,6 @@ equals the inputs made for it). Cases run in-process (``shaky.cli.main``) with t
 the case's own tmp_path; damaged run and sweep directories are copies of ONE tiny real run and ONE tiny
 sweep, made once for the module. A few cases run as real processes, to see the property end to end.
 
-A case may be marked ``xfail(strict=True)`` with its reason while its fix is pending; today none is.
 """
 
 from __future__ import annotations
@@ -46,15 +45,14 @@ class Case:
     id: str
     argv: list[str]
     preps: tuple[Prep, ...] = ()
-    xfail: str = ""
 
 
 @dataclass
 class _Cases:
     items: list[Case] = field(default_factory=list)
 
-    def add(self, id: str, argv: list[str], *preps: Prep, xfail: str = "") -> None:
-        self.items.append(Case(id, argv, preps, xfail))
+    def add(self, id: str, argv: list[str], *preps: Prep) -> None:
+        self.items.append(Case(id, argv, preps))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -413,38 +411,38 @@ def _cases() -> list[Case]:
     for k, extra in enumerate([["--steps", "30"], ["--out", "x"], ["--set", "steps=30"], ["--config", "run/config.toml"]]):
         c.add(f"resume-extra-{k}", ["train", "--resume", "run", *extra], run_copy())
     resume = ["train", "--resume", "run", "--quiet"]
-    damaged: list[tuple[str, Damage, str]] = [
-        ("ckpt-truncated-half", truncate("checkpoint.pt", 0.5), ""),
-        ("ckpt-truncated-header", truncate("checkpoint.pt", 0.02), ""),
-        ("ckpt-empty", truncate("checkpoint.pt", 0.0), ""),
-        ("ckpt-random", random_bytes("checkpoint.pt", 2000), ""),
-        ("ckpt-bitflip-payload", flip_bit("checkpoint.pt", in_header=False), ""),
-        ("ckpt-bitflip-digest", flip_bit("checkpoint.pt", in_header=True), ""),
-        ("ckpt-foreign-torch", lambda d, rng: __import__("torch").save({"a": 1}, d / "checkpoint.pt"), ""),
-        ("ckpt-foreign-text", replace_file("checkpoint.pt", "shaky checkpoint 1 sha256=abc\nhello"), ""),
-        ("ckpt-signed-list", signed_checkpoint(lambda d: [1, 2, 3]), ""),
-        ("ckpt-signed-no-config", signed_checkpoint(edited_checkpoint(lambda c: c.pop("config"))), ""),
-        ("ckpt-signed-other-config", signed_checkpoint(edited_checkpoint(_set("config.num_workers", 4))), ""),
+    damaged: list[tuple[str, Damage]] = [
+        ("ckpt-truncated-half", truncate("checkpoint.pt", 0.5)),
+        ("ckpt-truncated-header", truncate("checkpoint.pt", 0.02)),
+        ("ckpt-empty", truncate("checkpoint.pt", 0.0)),
+        ("ckpt-random", random_bytes("checkpoint.pt", 2000)),
+        ("ckpt-bitflip-payload", flip_bit("checkpoint.pt", in_header=False)),
+        ("ckpt-bitflip-digest", flip_bit("checkpoint.pt", in_header=True)),
+        ("ckpt-foreign-torch", lambda d, rng: __import__("torch").save({"a": 1}, d / "checkpoint.pt")),
+        ("ckpt-foreign-text", replace_file("checkpoint.pt", "shaky checkpoint 1 sha256=abc\nhello")),
+        ("ckpt-signed-list", signed_checkpoint(lambda d: [1, 2, 3])),
+        ("ckpt-signed-no-config", signed_checkpoint(edited_checkpoint(lambda c: c.pop("config")))),
+        ("ckpt-signed-other-config", signed_checkpoint(edited_checkpoint(_set("config.num_workers", 4)))),
         ("ckpt-signed-garbage-pickle", signed_checkpoint(lambda d: {"params": 1, "state": 2, "counters": 3,
-                                                                     "config": 4}), ""),
-        ("ckpt-directory", as_directory("checkpoint.pt"), ""),
-        ("config-edited-steps", edit_toml("config.toml", _set("steps", 30)), ""),
-        ("config-edited-drop", edit_toml("config.toml", _set("network.drop_rate", 0.1)), ""),
-        ("config-unknown-key", edit_toml("config.toml", _set("network.bogus", 1)), ""),
-        ("config-bad-value", edit_toml("config.toml", _set("network.drop_rate", 2.0)), ""),
-        ("config-malformed", replace_file("config.toml", "steps = = 1\n"), ""),
-        ("config-emptied", replace_file("config.toml", ""), ""),
-        ("config-not-utf8", replace_file("config.toml", b"\xff\xfe\x00"), ""),
-        ("config-removed", remove("config.toml"), ""),
-        ("config-directory", as_directory("config.toml"), ""),
-        ("metrics-garbage-line", replace_file("metrics.jsonl", lambda b: b"garbage\n" + b), ""),
-        ("metrics-emptied", replace_file("metrics.jsonl", ""), ""),
-        ("metrics-torn-final-row", truncate("metrics.jsonl", 0.9), ""),
-        ("metrics-truncated-half", truncate("metrics.jsonl", 0.5), ""),
-        ("metrics-directory", as_directory("metrics.jsonl"), ""),
+                                                                     "config": 4})),
+        ("ckpt-directory", as_directory("checkpoint.pt")),
+        ("config-edited-steps", edit_toml("config.toml", _set("steps", 30))),
+        ("config-edited-drop", edit_toml("config.toml", _set("network.drop_rate", 0.1))),
+        ("config-unknown-key", edit_toml("config.toml", _set("network.bogus", 1))),
+        ("config-bad-value", edit_toml("config.toml", _set("network.drop_rate", 2.0))),
+        ("config-malformed", replace_file("config.toml", "steps = = 1\n")),
+        ("config-emptied", replace_file("config.toml", "")),
+        ("config-not-utf8", replace_file("config.toml", b"\xff\xfe\x00")),
+        ("config-removed", remove("config.toml")),
+        ("config-directory", as_directory("config.toml")),
+        ("metrics-garbage-line", replace_file("metrics.jsonl", lambda b: b"garbage\n" + b)),
+        ("metrics-emptied", replace_file("metrics.jsonl", "")),
+        ("metrics-torn-final-row", truncate("metrics.jsonl", 0.9)),
+        ("metrics-truncated-half", truncate("metrics.jsonl", 0.5)),
+        ("metrics-directory", as_directory("metrics.jsonl")),
     ]
-    for name, damage, why in damaged:
-        c.add(f"resume-{name}", resume, run_copy(damage), xfail=why)
+    for name, damage in damaged:
+        c.add(f"resume-{name}", resume, run_copy(damage))
 
     # --- shaky sweep
     def sweep_file(doc: dict[str, Any] | str, name: str = "s.toml") -> Prep:
@@ -588,8 +586,7 @@ def _tree(root: Path) -> dict[str, bytes | None]:
 
 
 def _params() -> list[Any]:
-    return [pytest.param(case, id=case.id, marks=[pytest.mark.xfail(strict=True, reason=case.xfail)]
-                         if case.xfail else []) for case in CASES]
+    return [pytest.param(case, id=case.id) for case in CASES]
 
 
 @pytest.mark.parametrize("case", _params())

@@ -4,7 +4,6 @@ the run never interrupted, in every number but the wall time."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_pids, default_sigint, make_config, stop_at, wait_gone
+from conftest import assert_same_run, child_pids, default_sigint, make_config, stop_at, wait_gone
 from shaky.inject import InterruptedRun
 from shaky.rundir import CHECKPOINT_FILE, read_metrics
 from shaky.sweep import load_sweep, run_sweeps
@@ -46,14 +45,6 @@ def _rows(run_dir: Path) -> int:
         return 0
 
 
-def _results(summary: dict[str, object]) -> dict[str, object]:
-    return {k: v for k, v in summary.items() if k != "wall_time_s"}
-
-
-def _no_wall(rows: list[dict[str, object]]) -> list[dict[str, object]]:
-    return [_results(r) for r in rows]
-
-
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_a_run_with_a_checkpoint_and_the_resume_ends_identical(signum: int, tmp_path: Path) -> None:
     ref = _shaky([*TRAIN, "--out", "ref"], tmp_path)
@@ -74,21 +65,17 @@ def test_a_signal_stops_a_run_with_a_checkpoint_and_the_resume_ends_identical(si
     resumed = _shaky(["train", "--resume", "run", "--quiet"], tmp_path)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read() if resumed.stderr else ""
     assert ref.wait(timeout=300) == 0
-    got = json.loads((tmp_path / "run" / "summary.json").read_text())
-    want = json.loads((tmp_path / "ref" / "summary.json").read_text())
-    assert _results(got) == _results(want)
-    assert _no_wall(read_metrics(tmp_path / "run")) == _no_wall(read_metrics(tmp_path / "ref"))
+    assert_same_run(tmp_path / "run", tmp_path / "ref")
 
 
 def test_a_run_stopped_before_its_first_checkpoint_starts_again_on_resume(tmp_path: Path) -> None:
     cfg = make_config(steps=30, eval_every=10, checkpoint_every=0)
-    whole = train(prepare(cfg), tmp_path / "whole", progress=False)
+    train(prepare(cfg), tmp_path / "whole", progress=False)
     with pytest.raises(InterruptedRun):
         train(prepare(cfg), tmp_path / "cut", progress=False, faults=stop_at(15))
     assert not (tmp_path / "cut" / CHECKPOINT_FILE).exists()
-    again = train(prepare(cfg), tmp_path / "cut", resume=True, progress=False)
-    assert _results(again) == _results(whole)
-    assert _no_wall(read_metrics(tmp_path / "cut")) == _no_wall(read_metrics(tmp_path / "whole"))
+    train(prepare(cfg), tmp_path / "cut", resume=True, progress=False)
+    assert_same_run(tmp_path / "cut", tmp_path / "whole")
 
 
 SWEEP = """
@@ -130,10 +117,7 @@ def test_a_stopped_sweep_leaves_no_workers_and_resumes_identical(signum: int, tm
     reference = run_sweeps([load_sweep(tmp_path / "grid.toml")], tmp_path / "ref", jobs=1, progress=False)
     assert reference.ran == 3 and not reference.failed
     for r in runs:
-        ref_dir = tmp_path / "ref" / "grid" / r.name
-        assert _results(json.loads((r / "summary.json").read_text())) == \
-            _results(json.loads((ref_dir / "summary.json").read_text()))
-        assert _no_wall(read_metrics(r)) == _no_wall(read_metrics(ref_dir))
+        assert_same_run(r, tmp_path / "ref" / "grid" / r.name)
 
 
 def test_ctrl_c_of_a_sweep_stops_its_workers_which_ignore_it(tmp_path: Path) -> None:
@@ -185,8 +169,7 @@ def test_a_full_disk_stops_with_one_line_and_the_run_resumes_once_there_is_room(
     ref = subprocess.run([sys.executable, "-m", "shaky", *args, "--out", "ref"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert ref.returncode == 0, ref.stderr
-    assert _results(json.loads((small_disk / "run" / "summary.json").read_text())) == \
-        _results(json.loads((tmp_path / "ref" / "summary.json").read_text()))
+    assert_same_run(small_disk / "run", tmp_path / "ref")
 
 
 def test_a_read_only_out_is_one_line_and_nothing_written(small_disk: Path, tmp_path: Path) -> None:

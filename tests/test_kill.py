@@ -9,7 +9,6 @@ leaves them out and ``make test-kill`` (which .ci/run runs) runs them.
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import subprocess
@@ -19,8 +18,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import child_pids, default_sigint, wait_gone
-from shaky.rundir import read_metrics
+from conftest import assert_same_run, child_pids, default_sigint, wait_gone
 
 pytestmark = pytest.mark.kill
 
@@ -56,16 +54,6 @@ def _check_stop(signum: int, code: int, err: str) -> None:
         assert code in (128 + signum, -signum, 130, 2, 0), (signum, code, err[-2000:])
 
 
-def _results(summary: dict[str, object]) -> dict[str, object]:
-    return {k: v for k, v in summary.items() if k != "wall_time_s"}
-
-
-def _same_run(got: Path, want: Path) -> None:
-    assert _results(json.loads((got / "summary.json").read_text())) == \
-        _results(json.loads((want / "summary.json").read_text()))
-    assert [_results(r) for r in read_metrics(got)] == [_results(r) for r in read_metrics(want)]
-
-
 TRAIN = ["train", "--workers", "4", "--steps", "15000", "--eval-every", "500", "--checkpoint-every", "500",
          "--drop-rate", "0.1", "--set", "network.compute_ms=1.0", "--quiet"]
 
@@ -87,7 +75,7 @@ def test_a_run_stopped_at_20_random_moments_ends_identical(tmp_path: Path) -> No
     assert final.wait(timeout=600) == 0, final.stderr.read() if final.stderr else ""
     reference = _start([*TRAIN, "--out", "ref"], tmp_path)
     assert reference.wait(timeout=600) == 0
-    _same_run(tmp_path / "run", tmp_path / "ref")
+    assert_same_run(tmp_path / "run", tmp_path / "ref")
 
 
 SWEEP = """
@@ -124,4 +112,4 @@ def test_a_sweep_stopped_at_20_random_moments_ends_identical(tmp_path: Path) -> 
     reference = _start([*sweep, "--out", "ref"], tmp_path)
     assert reference.wait(timeout=900) == 0
     for s in range(4):
-        _same_run(tmp_path / "out" / "grid" / f"seed={s}", tmp_path / "ref" / "grid" / f"seed={s}")
+        assert_same_run(tmp_path / "out" / "grid" / f"seed={s}", tmp_path / "ref" / "grid" / f"seed={s}")
