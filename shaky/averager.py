@@ -43,13 +43,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 
-from shaky.comm.dist import DistComm
+from shaky.comm.dist import DistComm, UdpDistComm, agreed_key
+from shaky.comm.udp import UdpOptions
 from shaky.config import NetworkConfig, _build
 from shaky.network.clock import PhaseTraffic
 from shaky.network.faults import Membership, Round
 from shaky.network.model import NetworkModel
 from shaky.schedule import Schedule
-from shaky.strategies.exchange import StepStats, lossy_block_average
+from shaky.strategies.exchange import StepStats, block_exchange_traffic, lossy_block_average
 from shaky.strategies.optim import OuterSGD, OuterState
 
 _STATE_VERSION = 1
@@ -171,7 +172,9 @@ class ModelAverager:
 
     def __init__(self, model: torch.nn.Module, *, network: NetworkConfig | dict[str, Any] | str | None = None,
                  period: int = 1, warmup_steps: int = 0, seed: int = 0,
-                 outer_optimizer: OuterSGD | None = None, average_buffers: bool = True) -> None:
+                 outer_optimizer: OuterSGD | None = None, average_buffers: bool = True, transport: str = "gloo",
+                 deadline_ms: float | None = None, key_file: str = "", ports: str | range = "29600-29855",
+                 host: str = "", udp_options: UdpOptions | None = None) -> None:
         """Args:
             model: The module whose parameters every rank averages (same architecture on every rank).
             network: A NetworkConfig, a dict of its settings (``{"drop_rate": 0.1}``), or a preset name. A
@@ -183,6 +186,16 @@ class ModelAverager:
                 itself.
             average_buffers: Average the model's floating buffers (BatchNorm's running statistics) with its
                 parameters; False leaves every buffer alone.
+            transport: "gloo": every block over gloo, the losses drawn from ``network`` and ``seed``; "udp":
+                the lossy exchanges travel as UDP datagrams that are never resent, and the losses are the
+                network's (``network`` then sets no drop rate). Warm-up averages stay exact, on gloo.
+            deadline_ms: udp: a phase's deadline in milliseconds; None adapts it from recent rounds.
+            key_file: udp: a file of at least 16 bytes that every rank holds, keying the datagrams' tags;
+                empty: ``$SHAKY_KEY``, else rank 0 makes a key and hands it out through the (unencrypted)
+                rendezvous store, and every rank says so on stderr.
+            ports: udp: the UDP ports a rank may bind ("FIRST-LAST" or a range); it binds the first free one.
+            host: udp: this rank's IPv4 address as the others reach it (empty: the route to MASTER_ADDR).
+            udp_options: udp: datagram size, socket buffers, pacing (``shaky.comm.udp.UdpOptions``).
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -193,13 +206,33 @@ class ModelAverager:
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         if not isinstance(average_buffers, bool):
             raise TypeError(f"average_buffers must be True or False, got {average_buffers!r}")
-        self.comm = DistComm()
+        if transport not in ("gloo", "udp"):
+            raise ValueError(f"transport must be \"gloo\" or \"udp\", got {transport!r}")
+        if deadline_ms is not None and (isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float))
+                                        or not 0 < deadline_ms <= 3.6e6):
+            raise ValueError(f"deadline_ms must be a positive number of milliseconds (at most an hour) or None, "
+                             f"got {deadline_ms!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("the averager needs torch.distributed to be initialised (start with torchrun)")
+        cfg = _network_config(network, dist.get_world_size())
+        if transport == "udp":
+            if cfg.drop_rate or cfg.burst_enter:
+                raise ValueError(f"network drop_rate/burst_enter ({cfg.drop_rate!r}/{cfg.burst_enter!r}) are drawn "
+                                 "losses; with transport=\"udp\" the losses are the network's (leave them unset)")
+            if isinstance(ports, str):
+                from shaky.config import DistConfig  # noqa: PLC0415
+
+                ports = DistConfig(transport="udp", ports=ports).port_range()
+            self.comm: DistComm = UdpDistComm(deadline_ms=deadline_ms, key=agreed_key(key_file), ports=ports,
+                                              host=host or None, options=udp_options)
+        else:
+            self.comm = DistComm()
+        self.transport = transport
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.average_buffers = average_buffers
         self.seed = int(seed)
-        self.network = NetworkModel(_network_config(network, self.comm.num_workers), self.comm.num_workers,
-                                    self.seed)
+        self.network = NetworkModel(cfg, self.comm.num_workers, self.seed)
         self.exchange = lossy_block_average()
         self.members = Membership.everyone(self.comm.num_workers)
         self.outer = outer_optimizer
@@ -267,11 +300,20 @@ class ModelAverager:
         else:
             rnd = Round(self._rounds_before(step), self.network.sample(self._rounds_before(step)), self.members)
             averaged, stats = [], []
-            for v in vecs:  # every group in the same round, with the same masks
-                avg, _, st = self.exchange(v, self.comm, rnd, ())
+            for v in vecs:  # every group in the same round, with the same masks (udp: what each one's got)
+                if isinstance(self.comm, UdpDistComm):
+                    avg = self.comm.block_average(v, rnd.links.up, rnd.links.down,
+                                                  segment_bytes=self.comm.segment_bytes)
+                    st = StepStats(block_exchange_traffic(v, self.comm.num_workers, self.comm.observed,
+                                                          self.members, reliable=False))
+                else:
+                    avg, _, st = self.exchange(v, self.comm, rnd, ())
                 averaged.append(avg)
                 stats.append(st)
-            if stats:
+            if isinstance(self.comm, UdpDistComm):   # each group was an exchange of its own datagrams
+                for st in stats:
+                    self._count(st)
+            elif stats:
                 self._count(_merge_stats(stats))
             if self.outer is not None and self.outer_state is not None:
                 averaged, self.outer_state = _outer_step(self.outer, self.outer_state, groups, averaged)
@@ -392,9 +434,12 @@ class RPSAverager(ModelAverager):
     """RPS: average every step (``period`` = 1)."""
 
     def __init__(self, model: torch.nn.Module, *, network: NetworkConfig | dict[str, Any] | str | None = None,
-                 warmup_steps: int = 0, seed: int = 0, average_buffers: bool = True) -> None:
+                 warmup_steps: int = 0, seed: int = 0, average_buffers: bool = True, transport: str = "gloo",
+                 deadline_ms: float | None = None, key_file: str = "", ports: str | range = "29600-29855",
+                 host: str = "", udp_options: UdpOptions | None = None) -> None:
         super().__init__(model, network=network, period=1, warmup_steps=warmup_steps, seed=seed,
-                         average_buffers=average_buffers)
+                         average_buffers=average_buffers, transport=transport, deadline_ms=deadline_ms,
+                         key_file=key_file, ports=ports, host=host, udp_options=udp_options)
 
 
 def _outer_init(outer: OuterSGD, groups: list[_Group], averaged: list[torch.Tensor]) -> list[OuterState]:

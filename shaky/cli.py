@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import typing
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -21,6 +22,16 @@ from typing import Any, Iterator, Sequence
 from shaky.config import MAX_SCALE_PERIOD  # no torch: process_settings must come before torch loads
 
 EXIT_BAD_INPUT = 2
+BAD_INPUT_GRACE_S = 3.0
+"""Under torchrun, how long a rank other than 0 waits before it exits on bad input (rank 0 prints the line)."""
+
+
+def _ms_or_adaptive(text: str) -> float | str:
+    """--deadline-ms: "adaptive" or a number of milliseconds (the config checks that it is positive)."""
+    return text if text == "adaptive" else float(text)
+
+
+_ms_or_adaptive.__name__ = "ms"   # argparse's metavar and its error message name the type by this
 
 # CLI flag -> dotted config key. Every other setting is reachable with --set KEY=VALUE.
 _FLAGS: dict[str, tuple[str, type, str]] = {
@@ -48,6 +59,12 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "replay_trace": ("network.trace", str, "run directory whose delivery masks are replayed"),
     "backend": ("backend", str,
                 "sim (all workers in this process, the default) or dist (one worker per torchrun process)"),
+    "transport": ("dist.transport", str, "dist backend's data plane: gloo (the default: TCP, losses drawn) or udp "
+                  "(datagrams never resent: the losses are the network's)"),
+    "deadline_ms": ("dist.deadline_ms", _ms_or_adaptive, "udp: a phase's deadline in milliseconds, or adaptive "
+                    "(the default: from recent rounds' completion times)"),
+    "key_file": ("dist.key_file", str, "udp: a file every node holds whose bytes key the datagrams' tags "
+                 "(default: $SHAKY_KEY, else a per-run key handed out through the rendezvous store)"),
 }
 
 
@@ -232,6 +249,23 @@ def _checkpoint_note(run_dir: Path, command: str = "torchrun ... -m shaky train"
     return f"{path} at step {step}; resume with `{command} --resume {run_dir}`"
 
 
+def _dist_comm(cfg: Any) -> Any:
+    """The udp transport's comm, built by every rank together; bad input on any rank stops every rank with
+    the same line (the key file is read by each rank, so each says whether it could)."""
+    from shaky.comm.dist import UdpDistComm, agreed_key  # noqa: PLC0415
+    from shaky.comm.udp import UdpOptions  # noqa: PLC0415
+
+    d = cfg.dist
+    try:
+        key = agreed_key(d.key_file)
+        return UdpDistComm(deadline_ms=None if d.deadline_ms == "adaptive" else d.deadline_ms, key=key,
+                           ports=d.port_range(), host=d.host or None, heartbeat=True,
+                           options=UdpOptions(datagram_bytes=d.datagram_bytes,
+                                              send_rate_mbps=d.send_rate_mbps or None))
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+
+
 def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     """One worker of a torchrun job: rank 0 picks the run directory and writes it; all ranks train."""
     import torch.distributed as dist  # noqa: PLC0415
@@ -244,10 +278,10 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         init_from_env(cfg.dist_timeout_s)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
-    comm = DistComm(heartbeat=True)
-    if comm.num_workers != cfg.num_workers:
-        raise BadInput(f"num_workers is {cfg.num_workers} but torchrun started {comm.num_workers} processes; "
+    if dist.get_world_size() != cfg.num_workers:
+        raise BadInput(f"num_workers is {cfg.num_workers} but torchrun started {dist.get_world_size()} processes; "
                        "they must match (one worker per process)")
+    comm = _dist_comm(cfg) if cfg.dist.transport == "udp" else DistComm(heartbeat=True)
     # Every rank must agree on what rank 0 decided or measured.
     run_dir = Path(str(broadcast_object(str(run_dir))))
     if comm.rank == 0 and setup.compute_ms < 0:  # the machine's cached measurement, as the simulator uses
@@ -635,6 +669,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # input: rank 0 says it, once.
         if os.environ.get("RANK", "0") == "0":
             print(f"shaky: error: {exc}", file=sys.stderr)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            # torchrun stops every rank when the first one exits: leave rank 0 the time to say it.
+            time.sleep(BAD_INPUT_GRACE_S)
         return EXIT_BAD_INPUT
     except Stop as exc:
         if str(exc):

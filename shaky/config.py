@@ -36,6 +36,10 @@ STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
 STRATEGIES = tuple(STRATEGY_OPTIONS)
 OPTIMIZERS = ("sgd", "adamw")
 BACKENDS = ("sim", "dist")
+TRANSPORTS = ("gloo", "udp")
+UDP_OVERHEAD_BYTES = 52
+"""Header and tag bytes of a udp datagram (``shaky.comm.udp.OVERHEAD_BYTES``; a test checks they agree):
+a datagram of ``dist.datagram_bytes`` carries a segment of ``datagram_bytes - 52`` bytes."""
 DTYPES = ("float32", "float64")
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_STEPS = 10**9
@@ -309,6 +313,68 @@ class NetworkConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DistConfig:
+    """The dist backend's data plane: how the exchanges' blocks travel between the torchrun processes."""
+
+    transport: str = "gloo"
+    """gloo: every block over gloo's TCP, losses drawn by the network model as in the simulator; udp: RPS's
+    block averages as authenticated UDP datagrams, never resent, and the losses are what really arrived."""
+    deadline_ms: float | str = "adaptive"
+    """udp: each phase of an exchange closes when everything arrived or at this deadline; "adaptive": from the
+    completion times of recent rounds, agreed across ranks (the first rounds wait up to 1 s)."""
+    key_file: str = ""
+    """udp: a file every node has, whose bytes (at least 16) key the datagrams' tags; empty: the environment
+    variable SHAKY_KEY, else rank 0 makes a key for this run and hands it out through the rendezvous store."""
+    ports: str = "29600-29855"
+    """udp: the UDP ports a rank may bind, "FIRST-LAST" (or one port); each rank binds the first free one."""
+    host: str = ""
+    """udp: this rank's IPv4 address as the others reach it (empty: the address this machine uses to reach
+    MASTER_ADDR); datagrams are accepted only from the other ranks' addresses."""
+    datagram_bytes: int = 1472
+    """udp: UDP payload bytes of a full datagram (1472 fits a 1500-byte MTU); every rank the same."""
+    send_rate_mbps: float = 0.0
+    """udp: pace each rank's sending to this rate (0: unpaced)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("dist.transport", self.transport, TRANSPORTS)
+        if isinstance(self.deadline_ms, str):
+            if self.deadline_ms != "adaptive":
+                raise ValueError(f"dist.deadline_ms must be a positive number of milliseconds or \"adaptive\", "
+                                 f"got {self.deadline_ms!r}")
+        elif not 0 < self.deadline_ms <= 3.6e6:  # NaN fails too
+            raise ValueError(f"dist.deadline_ms must be a positive number of milliseconds (at most an hour) or "
+                             f"\"adaptive\", got {self.deadline_ms!r}")
+        if self.transport != "udp":
+            defaults = DistConfig.__dataclass_fields__
+            changed = [name for name in ("deadline_ms", "key_file", "ports", "host", "datagram_bytes",
+                                         "send_rate_mbps") if getattr(self, name) != defaults[name].default]
+            if changed:
+                raise ValueError(f"dist.{changed[0]} = {getattr(self, changed[0])!r} applies only with "
+                                 f"dist.transport = \"udp\" (got {self.transport!r})")
+        self.port_range()
+        if not UDP_OVERHEAD_BYTES + 8 <= self.datagram_bytes <= 65507:
+            raise ValueError(f"dist.datagram_bytes must be in [{UDP_OVERHEAD_BYTES + 8}, 65507], "
+                             f"got {self.datagram_bytes}")
+        _check_range("dist.send_rate_mbps", self.send_rate_mbps, 0.0, 1e9, hi_open=True)
+
+    def port_range(self) -> range:
+        """``ports`` as a range of port numbers."""
+        first, sep, last = self.ports.partition("-")
+        try:
+            lo, hi = int(first), int(last) if sep else int(first)
+        except ValueError:
+            lo = hi = -1
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError(f"dist.ports must be FIRST-LAST (or one port) within 1-65535, got {self.ports!r}")
+        return range(lo, hi + 1)
+
+    @property
+    def segment_bytes(self) -> int:
+        """The segment each udp datagram carries: the unit of loss (``network.segment_bytes`` of a udp run)."""
+        return self.datagram_bytes - UDP_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FailureConfig:
     worker: int
     """The worker that fails."""
@@ -350,6 +416,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -362,9 +429,7 @@ class RunConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _check_choice("backend", self.backend, BACKENDS)
-        if self.backend == "dist" and self.network.segment_bytes:
-            raise ValueError(f"network.segment_bytes = {self.network.segment_bytes} needs backend sim for now: the "
-                             "dist backend's gloo exchange loses whole blocks (set network.segment_bytes = 0)")
+        self._check_transport()
         _check_range("dist_timeout_s", self.dist_timeout_s, 0.0, math.inf, lo_open=True, hi_open=True)
         if self.batch_sizes and len(self.batch_sizes) != self.num_workers:
             raise ValueError(f"batch_sizes has {len(self.batch_sizes)} entries but num_workers is {self.num_workers}")
@@ -399,6 +464,31 @@ class RunConfig:
                 raise ValueError(f"network.{name} is a {len(value)}x{len(value)} matrix but "
                                  f"num_workers is {self.num_workers}")
 
+
+    def _check_transport(self) -> None:
+        udp = self.dist.transport == "udp"
+        if udp and self.backend != "dist":
+            raise ValueError("dist.transport = \"udp\" needs backend dist (torchrun, one worker per process): the "
+                             "simulator draws its losses from the network model")
+        if self.backend == "dist" and not udp and self.network.segment_bytes:
+            raise ValueError(f"network.segment_bytes = {self.network.segment_bytes} needs backend sim or "
+                             "dist.transport udp: the gloo exchange loses whole blocks (set network.segment_bytes = 0)")
+        if not udp:
+            return
+        net = self.network
+        if net.segment_bytes not in (0, self.dist.segment_bytes):
+            raise ValueError(f"network.segment_bytes = {net.segment_bytes} on the udp transport must be 0 or "
+                             f"{self.dist.segment_bytes}, the segment of a {self.dist.datagram_bytes}-byte datagram "
+                             "(dist.datagram_bytes - 52)")
+        drawn = [(name, value) for name, value in (("drop_rate", net.drop_rate), ("burst_enter", net.burst_enter),
+                                                    ("trace", net.trace)) if value]
+        if drawn:
+            name, value = drawn[0]
+            raise ValueError(f"network.{name} = {value!r} is the simulator's drawn loss; on dist.transport udp the "
+                             f"losses are what really arrives (leave network.{name} unset)")
+        # The recorded masks are segment-level with the datagrams' segment: the config says so, and a replay of
+        # this run's trace in the simulator reads it from there.
+        object.__setattr__(self, "network", dataclasses.replace(net, segment_bytes=self.dist.segment_bytes))
 
     def worker_batch_sizes(self) -> tuple[int, ...]:
         """Each worker's mini-batch size: batch_sizes if given, else batch_size (times q with grow_batch)."""
@@ -448,6 +538,8 @@ def _convert(name: str, value: Any, tp: Any) -> Any:
             return tuple(tuple(_convert(f"{name}[{i}][{j}]", v, float) for j, v in enumerate(row))
                          for i, row in enumerate(value))
         return _convert(name, value, float)
+    if tp == (float | str):
+        return value if isinstance(value, str) else _convert(name, value, float)
     if tp is bool:
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be true or false, got {value!r}")

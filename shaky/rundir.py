@@ -351,8 +351,9 @@ class Summary:
     model: str | None
     seed: int
     drop_rate: float | str | None
-    """The configured drop rate, "matrix" for a per-link matrix, or "trace" when the delivery masks were replayed
-    from ``trace`` (network.drop_rate is then not what happened: see measured_drop_rate)."""
+    """The configured drop rate, "matrix" for a per-link matrix, "trace" when the delivery masks were replayed
+    from ``trace`` (network.drop_rate is then not what happened: see measured_drop_rate), or "real" on the udp
+    transport, whose losses are the network's (measured_drop_rate counts them)."""
     num_parameters: int | None
     diverged: bool = False
     """The loss stopped being finite; the run ended there (a result, not a crash)."""
@@ -362,10 +363,16 @@ class Summary:
     """The fraction of the messages sent that were lost (None when none were sent)."""
     trace: str = ""
     """The trace whose delivery masks were replayed (network.trace), as an absolute path; "" if none."""
+    transport: str = ""
+    """dist backend: the data plane (dist.transport, gloo or udp); "" on the simulator."""
+    udp: dict[str, Any] | None = None
+    """dist.transport udp: the datagrams of the run, every rank's summed (sent, received, the observed loss
+    rate 1 - received / expected, late, rejected, phases closed by their deadline); None otherwise."""
 
     @staticmethod
     def from_run(cfg: RunConfig, last: dict[str, Any], counters: Counters, *, compute_ms: float,
-                 num_parameters: int, diverged: bool = False, error: str = "") -> Summary:
+                 num_parameters: int, diverged: bool = False, error: str = "",
+                 udp: dict[str, Any] | None = None) -> Summary:
         """The summary of a run whose last evaluation is ``last`` (a metrics row) and whose totals are ``counters``."""
         return Summary(
             final_test_accuracy=last["test_accuracy"], final_test_loss=last["test_loss"],
@@ -379,12 +386,13 @@ class Summary:
             scalability=counters.step * compute_ms / 1e3 / counters.sim_time_s if counters.sim_time_s else None,
             compute_ms=compute_ms, strategy=cfg.strategy.name, num_workers=cfg.num_workers,
             dataset=cfg.data.dataset, model=cfg.model.name, seed=cfg.seed,
-            drop_rate=("trace" if cfg.network.trace else cfg.network.drop_rate
+            drop_rate=("trace" if cfg.network.trace else "real" if udp else cfg.network.drop_rate
                        if isinstance(cfg.network.drop_rate, float) else "matrix"),
             num_parameters=num_parameters, diverged=diverged, error=error,
             measured_drop_rate=(counters.messages_dropped / counters.messages_sent if counters.messages_sent
                                 else None),
-            trace=str(Path(cfg.network.trace).resolve()) if cfg.network.trace else "")
+            trace=str(Path(cfg.network.trace).resolve()) if cfg.network.trace else "",
+            transport=cfg.dist.transport if cfg.backend == "dist" else "", udp=udp or None)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values; a number that is not finite (a diverged run's loss) becomes None, since

@@ -21,20 +21,20 @@ import torch
 
 from shaky.comm.base import Comm
 from shaky.comm.sim import SimComm
-from shaky.config import to_dict
+from shaky.config import RunConfig, to_dict
 from shaky.data import shard_summary
 from shaky.inject import FaultInjector, InterruptedRun
 from shaky.interrupt import SignalWatch, Stopped
 from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule, Round
-from shaky.network.model import MaskLog, save_trace
+from shaky.network.model import MaskLog, TraceNetwork, load_trace, save_trace
 from shaky.progress import Progress
 from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, append_metrics, create, load_checkpoint,
                           load_run_config, new_run_dir, read_metrics, save_checkpoint, truncate_metrics)
 from shaky.sampler import BatchSampler
 from shaky.setup import Setup, evaluate, gradient_diversity, prepare
 from shaky.strategies import AverageModels, Strategy, sample_weights
-from shaky.strategies.exchange import StepStats
+from shaky.strategies.exchange import StepStats, observed
 from shaky.strategies.state import map_rows, map_synced, zip_rows
 from shaky.vectorized import FusedGradFn
 
@@ -121,7 +121,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
                               metrics, bar, faults, signals)
     bar.close()
     _checkpoint(setup, run_dir, comm, params, state, counters, clock, masks, writer, t_start, trace=True)
-    summary = metrics.summary()
+    summary = metrics.summary(udp=comm.transport_stats())   # a collective on the dist backend: every rank
     if writer:
         summary.write(run_dir)
     return summary.to_dict()
@@ -139,7 +139,6 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
             faults.check(step, rank)
         comm.on_step(step)
         rnd = Round(step, setup.network.sample(step), members.membership(step))
-        masks.append(rnd.links)
         if rnd.members.any_rejoined:  # a returning worker takes the live workers' average model and state
             was_live = members.live(step - 1).to(params.dtype)
             sync = _rows_where(rnd.members.rejoined[rows])
@@ -149,6 +148,10 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         idx = sampler.indices(step)
         params, state, stats, losses, grads = train_step(setup.grad_fn, strategy, params, state, x_train[idx],
                                                          y_train[idx], batch_mask, comm, rnd, need_grads=evaluating)
+        links = comm.delivered(rnd.links)   # a real lossy transport's observed masks, else the drawn ones
+        masks.append(links)
+        if links is not rnd.links:
+            stats = observed(stats, rnd.links, links)
 
         counters.step = step + 1
         counters.sim_time_s = clock.advance(stats.phases, stats.delay)
@@ -206,8 +209,9 @@ def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: MaskLog
             clock.compute_s = setup.compute_ms / 1e3
         # Exchanges still in flight at the checkpoint arrive after the resume as they would have without it.
         clock.state = ckpt.get("clock") or ClockState(counters.step, counters.sim_time_s, counters.sim_time_s)
+        recorded = _recorded_masks(setup, run_dir, counters.step) if _observes_losses(cfg) else setup.network
         for r in range(counters.step):
-            masks.append(setup.network.sample(r))
+            masks.append(recorded.sample(r))
         if writer:
             truncate_metrics(run_dir, counters.step)
         return ckpt["params"][rows], map_rows(ckpt["state"], lambda t: t[rows]), counters
@@ -226,13 +230,29 @@ def _checkpoint(setup: Setup, run_dir: Path, comm: Comm, params: torch.Tensor, s
     ``trace`` the delivery trace (a resume draws the masks again from the seed, so the periodic checkpoints
     skip it: it grows with the run, and writing it every time would make checkpoints quadratic)."""
     full_params, full_state = comm.gather(params), map_rows(state, comm.gather)
+    observed = _observes_losses(setup.cfg)
+    if writer and observed:   # first: a checkpoint always has the masks of the rounds before it
+        save_trace(run_dir, masks.packed(), setup.cfg.num_workers)
     if writer:
         save_checkpoint(run_dir, {
             "params": full_params, "state": full_state, "config": to_dict(setup.cfg), "clock": clock.state,
             "compute_ms": setup.compute_ms,
             "counters": {**vars(counters), "wall_time_s": counters.wall_time_s + time.perf_counter() - t_start}})
-        if trace:
+        if trace and not observed:
             save_trace(run_dir, masks.packed(), setup.cfg.num_workers)
+
+
+def _observes_losses(cfg: RunConfig) -> bool:
+    """Whether the run's delivery masks are what a real lossy transport observed (udp), not drawn from the seed:
+    then every checkpoint writes them, and a resume reads them back instead of drawing them."""
+    return cfg.backend == "dist" and cfg.dist.transport == "udp"
+
+
+def _recorded_masks(setup: Setup, run_dir: Path, rounds: int) -> TraceNetwork:
+    """The masks a udp run recorded up to its checkpoint, from its own trace.npz."""
+    cfg = setup.cfg
+    up, down = load_trace(str(run_dir), cfg.num_workers, rounds, segment_bytes=cfg.network.segment_bytes)
+    return TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, up, down)
 
 
 class _Metrics:
@@ -268,7 +288,7 @@ class _Metrics:
         self.last = row
         return row
 
-    def summary(self, *, diverged: bool = False, error: str = "") -> Summary:
+    def summary(self, *, diverged: bool = False, error: str = "", udp: dict[str, Any] | None = None) -> Summary:
         last = self.last or read_metrics(self.run_dir)[-1]  # resumed from a finished run: its last evaluation
         return Summary.from_run(self.setup.cfg, last, self.counters, compute_ms=self.setup.compute_ms,
-                                num_parameters=self.setup.flat.dim, diverged=diverged, error=error)
+                                num_parameters=self.setup.flat.dim, diverged=diverged, error=error, udp=udp)

@@ -225,6 +225,9 @@ FLAG_VALUES: dict[str, list[str]] = {
     "backend": ["bogus", "", "dist"],
     "data_path": ["x.tsv", "nope"],
     "replay_trace": ["nope", "emptydir"],
+    "transport": ["bogus", "", "UDP", "udp"],
+    "deadline_ms": ["0", "-1", "nan", "inf", "x", "1e400", "fast"],
+    "key_file": ["nope", "key"],
 }
 
 # --set keys and values that are bad for them (TOML values, as typed after KEY=).
@@ -277,6 +280,12 @@ SET_VALUES: dict[str, list[str]] = {
     "network.regions": ['["mars"]', '["oregon", "oregon"]', '"oregon"'],
     "network.trace": ["5", '"nope"'],
     "batch_sizes": ["[1]", "[0, 0, 0, 0, 0, 0, 0, 0]", "5"],
+    "dist.transport": ['"tcp"', "1"],
+    "dist.deadline_ms": ["0", "-5", '"auto"', "true"],
+    "dist.ports": ['"0-10"', '"70000"', '"100-50"', '"a-b"', "29600"],
+    "dist.datagram_bytes": ["10", "70000"],
+    "dist.send_rate_mbps": ["-1", "inf"],
+    "dist.host": ['"127.0.0.1"'],
     "failures": ["[{worker = 9, step = 1}]", "[{worker = 0}]", "[{worker = 0, step = 1, bogus = 2}]", "[1]",
                  "[{worker = 0, step = 5, rejoin = 2}]", "[{worker = 0, step = 100000}]"],
 }

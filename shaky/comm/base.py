@@ -13,9 +13,12 @@ block into segments (see :meth:`Comm.block_average`).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from shaky.network.model import LinkSample
 
 
 def block_sizes(dim: int, num_blocks: int) -> list[int]:
@@ -82,6 +85,16 @@ class Comm(Protocol):
 
     def on_step(self, step: int) -> None:
         """Called before each step: the dist backend records progress there (for failure reports)."""
+        ...
+
+    def delivered(self, links: LinkSample) -> LinkSample:
+        """The delivery masks that applied to this step's exchange: ``links`` (drawn from the network model)
+        on the simulator and on gloo; what really arrived on a transport that loses packets (udp)."""
+        ...
+
+    def transport_stats(self) -> dict[str, int | float]:
+        """What a real lossy transport counted over the run, summed over the ranks (a collective on the dist
+        backend); empty where the losses are drawn."""
         ...
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,19 +6,31 @@ point-to-point sends of each server's average to every rank: the messages of
 the paper's two phases, on the same links. Every rank holds the same global
 delivery masks (drawn from the run seed), so the receiving side applies them:
 a block that "did not arrive" is simply left out of the average, exactly as in
-the simulator, and both backends agree round by round."""
+the simulator, and both backends agree round by round.
+
+:class:`UdpDistComm` moves the block averages to the UDP data plane
+(``shaky.comm.udp``) instead: the loss is the network's, and the masks are what
+arrived, gathered from every rank after each exchange. The rest (exact means,
+checkpoints, evaluation, the deadline agreement) stays on gloo."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
+import struct
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from shaky.comm.base import Done, block_sizes
+from shaky.comm.udp import AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions
+from shaky.network.model import LinkSample
 
 
 HEARTBEAT_S = 0.25
@@ -77,6 +89,14 @@ class DistComm:
     def on_step(self, step: int) -> None:
         """Marks this rank's progress in the rendezvous store, where survivors of a failure read it."""
         self._store.set(f"shaky/step/{self.rank}", str(step))
+
+    def delivered(self, links: LinkSample) -> LinkSample:
+        """The masks that applied this step: on gloo, the drawn ones (``links``)."""
+        return links
+
+    def transport_stats(self) -> dict[str, int | float]:
+        """What the data plane counted over the run, summed over the ranks (a collective): nothing on gloo."""
+        return {}
 
     def diagnose_failure(self, timeout_s: float) -> tuple[int, int] | None:
         """After a collective failed: which rank stopped, and after which step.
@@ -198,6 +218,236 @@ class DistComm:
                 pos += sizes[j]
             out = unpermuted
         return out[None]
+
+
+KEY_ENV = "SHAKY_KEY"
+"""The environment variable that holds the udp key material when ``dist.key_file`` is not given."""
+MIN_KEY_BYTES = 16
+"""Key material shorter than this (after stripping white space) is refused."""
+DEFAULT_PORTS = range(29600, 29856)
+"""The UDP ports a rank may bind by default (``dist.ports``)."""
+
+
+def load_key(key_file: str = "") -> bytes | None:
+    """The udp key from ``key_file`` (``dist.key_file``) or else ``$SHAKY_KEY``; None if neither is given.
+
+    The material (a file's bytes or the variable's text, white space stripped at both ends, at least
+    16 bytes) is hashed with SHA-256 into the 32-byte HMAC key, so ``head -c 32 /dev/urandom`` and
+    ``openssl rand -hex 32`` both make a good one. Raises ValueError naming the file or variable.
+    """
+    if key_file:
+        try:
+            material = Path(key_file).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"dist.key_file {key_file!r} cannot be read: {exc.strerror or exc}") from None
+        where = f"dist.key_file {key_file!r}"
+    elif os.environ.get(KEY_ENV) is not None:
+        material, where = os.environ[KEY_ENV].encode(), f"the environment variable {KEY_ENV}"
+    else:
+        return None
+    material = material.strip()
+    if len(material) < MIN_KEY_BYTES:
+        raise ValueError(f"{where} holds {'no key' if not material else f'{len(material)} bytes'}; a key needs at "
+                         f"least {MIN_KEY_BYTES} (make one with: head -c 32 /dev/urandom > shaky.key)")
+    return hashlib.sha256(b"shaky udp key\0" + material).digest()
+
+
+def agreed_key(key_file: str = "") -> bytes | None:
+    """:func:`load_key` on every rank (a collective): a key file one rank cannot read stops every rank with the
+    same ValueError, which names that rank, instead of leaving the others waiting for it."""
+    key, error = None, ""
+    try:
+        key = load_key(key_file)
+    except ValueError as exc:
+        error = str(exc)
+    errors = [""] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    found = [(r, e) for r, e in enumerate(errors) if e]
+    if found:
+        raise ValueError(f"rank {found[0][0]}: {found[0][1]}")
+    return key
+
+
+def local_address() -> str:
+    """The IPv4 address this machine uses to reach MASTER_ADDR (127.0.0.1 when that is this machine)."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((master, 9))   # a UDP connect sends nothing: it only picks the route
+        except OSError as exc:
+            raise ValueError(f"cannot find this machine's address towards MASTER_ADDR {master!r} ({exc}); "
+                             "set dist.host") from None
+        return str(probe.getsockname()[0])
+
+
+class UdpDistComm(DistComm):
+    """DistComm whose block averages travel as UDP datagrams (``shaky.comm.udp``): real loss, never resent.
+
+    Built by every rank together (it exchanges addresses, the key's fingerprint and, without a key, the
+    key itself through the rendezvous store). Each :meth:`block_average` is one :class:`UdpExchange`
+    round: the result follows RPS's rule on what really arrived, and the masks of every rank are gathered
+    over gloo afterwards (:attr:`observed`, in the simulator's [W, W, S] layout, for the run's trace).
+    The same gather carries each rank's deadline proposal for the next round, so the ranks agree on it
+    (the largest proposal) without another collective. Means, gathers and checkpoints stay on gloo.
+    """
+
+    _instances = 0   # per process: every rank builds its comms in the same order, so the store keys agree
+
+    def __init__(self, *, deadline_ms: float | None = None, key: bytes | None = None, ports: range | None = None,
+                 host: str | None = None, options: UdpOptions | None = None, heartbeat: bool = False,
+                 announce: bool = True) -> None:
+        """``deadline_ms``: a fixed phase deadline (None: adaptive, 1 s for the first round). ``key``: 32 bytes
+        (``load_key``); None: rank 0 makes one for this run and hands it out through the store, and every
+        rank says so on stderr (``announce``). ``ports``: the range a rank binds the first free port of.
+        ``host``: this rank's address as the others reach it (None: ``local_address()``).
+
+        Raises ValueError (the same on every rank, naming the rank) when a rank cannot bind a port, or the
+        ranks' keys differ."""
+        super().__init__(heartbeat=heartbeat)
+        if deadline_ms is not None and not 0 < deadline_ms < float("inf"):
+            raise ValueError(f"deadline_ms must be a positive number of milliseconds, got {deadline_ms!r}")
+        UdpDistComm._instances += 1
+        prefix = f"shaky/udp/{UdpDistComm._instances}"
+        store, me, w = self._store, self.rank, self.num_workers
+        if me == 0:
+            store.set(f"{prefix}/run", os.urandom(8).hex())
+            if key is None:
+                store.set(f"{prefix}/key", os.urandom(32).hex())
+        run_id = int(store.get(f"{prefix}/run").decode(), 16)
+        if key is None:
+            key = bytes.fromhex(store.get(f"{prefix}/key").decode())
+            if announce:
+                print(f"shaky: rank {me}: the udp key was handed out through the rendezvous store, which is not "
+                      f"encrypted; give every node dist.key_file or {KEY_ENV} to keep it off the network",
+                      file=sys.stderr, flush=True)
+        fingerprint = hashlib.sha256(b"shaky key fingerprint\0" + key).hexdigest()[:16]
+        exchange: UdpExchange | None = None
+        try:
+            exchange = UdpExchange(rank=me, num_workers=w, key=key, run_id=run_id,
+                                   host=host or local_address(), ports=ports or DEFAULT_PORTS, options=options)
+            ip, port = exchange.address
+            store.set(f"{prefix}/addr/{me}", f"ok {fingerprint} {ip} {port}")
+        except (OSError, ValueError) as exc:
+            store.set(f"{prefix}/addr/{me}", f"error {exc}")
+        entries = [store.get(f"{prefix}/addr/{r}").decode().split(" ", 1) for r in range(w)]
+        errors = [(r, rest) for r, (status, rest) in enumerate(entries) if status != "ok"]
+        peers = [(rest.split(" ")[1], int(rest.split(" ")[2])) for status, rest in entries if status == "ok"]
+        prints = {rest.split(" ")[0] for status, rest in entries if status == "ok"}
+        if errors or len(prints) > 1 or exchange is None:
+            super().close()
+            if exchange is not None:
+                exchange.close()
+            if errors:
+                r, why = errors[0]
+                raise ValueError(f"rank {r} cannot open its udp socket: {why} (see dist.ports and dist.host)")
+            raise ValueError("the ranks hold different udp keys (dist.key_file or SHAKY_KEY differs between "
+                             "nodes): every datagram would be rejected")
+        self.exchange: UdpExchange = exchange
+        """This rank's end of the data plane."""
+        self.exchange.connect(peers)
+        self.segment_bytes = self.exchange.segment_bytes
+        """The bytes of a datagram's segment: the unit of loss (``network.segment_bytes`` of the masks)."""
+        self._fixed_s = None if deadline_ms is None else deadline_ms / 1000
+        self._adaptive = AdaptiveDeadline()
+        self._deadline_s = self._fixed_s or self._adaptive.propose()
+        self._round = 0
+        self._observed: LinkSample | None = None
+        self._observed_now = False
+        self.last_stats: ExchangeStats | None = None
+        """The counters of the last exchange (this rank's)."""
+        self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "rounds": 0,
+                        "closed_by_deadline": 0}
+        dist.barrier()
+
+    @property
+    def deadline_s(self) -> float:
+        """The deadline of the next exchange's phases, in seconds (the same on every rank)."""
+        return self._deadline_s
+
+    @property
+    def observed(self) -> LinkSample | None:
+        """The masks that arrived in the last exchange, every rank's ([W, W, S]); None before the first."""
+        return self._observed
+
+    def info(self) -> dict[str, object]:
+        """This rank's socket: address, granted buffers, GSO/GRO (``UdpExchange.info``)."""
+        return self.exchange.info()
+
+    def close(self) -> None:
+        super().close()
+        self.exchange.close()
+
+    def on_step(self, step: int) -> None:
+        super().on_step(step)
+        self._observed_now = False
+
+    def delivered(self, links: LinkSample) -> LinkSample:
+        """The masks that applied this step: what really arrived if this step exchanged blocks, else ``links``."""
+        return self._observed if self._observed_now and self._observed is not None else links
+
+    def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                            weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
+                            overwrite: bool = False, segment_bytes: int = 0) -> Done:
+        """:meth:`block_average`, complete when it returns."""
+        return Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite,
+                                       segment_bytes=segment_bytes))
+
+    def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
+                      overwrite: bool = False, segment_bytes: int = 0) -> torch.Tensor:
+        """RPS's exchange over UDP. ``up`` and ``down`` (the drawn masks) are not used: the loss is the
+        network's, and :attr:`observed` holds what arrived. ``segment_bytes`` must be :attr:`segment_bytes`
+        (the run's ``network.segment_bytes``), so that the caller's masks and counters have its layout."""
+        if segment_bytes != self.segment_bytes:
+            raise ValueError(f"the udp transport's unit of loss is a {self.segment_bytes}-byte segment; "
+                             f"block_average was called with segment_bytes={segment_bytes} "
+                             f"(set network.segment_bytes = {self.segment_bytes})")
+        # ``overwrite`` is allowed, not required: the result is a fresh tensor (``x`` supplies the segments
+        # whose average was lost while the result is received).
+        new, up_obs, down_obs, stats = self.exchange.block_average(
+            x[0].contiguous(), self._round, deadline_s=self._deadline_s, weights=weights, servers=servers)
+        self._round += 1
+        self.last_stats = stats
+        t = self._totals
+        t["sent"] += stats.sent
+        t["received"] += stats.received
+        t["expected"] += sum(stats.expected)
+        t["late"] += stats.late
+        t["rejected"] += stats.rejected
+        t["rounds"] += 1
+        t["closed_by_deadline"] += sum(c == "deadline" for c in stats.closed_by)
+        if self._fixed_s is None:
+            self._adaptive.observe_stats(stats)
+        proposal = self._fixed_s or self._adaptive.propose()
+        self._observed = self._gather_masks(up_obs, down_obs, proposal)
+        self._observed_now = True
+        return new[None]
+
+    def _gather_masks(self, up_obs: torch.Tensor, down_obs: torch.Tensor, proposal: float) -> LinkSample:
+        """Every rank's observed masks as the run's [W, W, S] masks, and the agreed deadline of the next round."""
+        w, nseg = up_obs.shape
+        mine = torch.cat([up_obs.reshape(-1).to(torch.uint8), down_obs.reshape(-1).to(torch.uint8),
+                          torch.frombuffer(bytearray(struct.pack("<d", proposal)), dtype=torch.uint8)])
+        parts = [torch.empty_like(mine) for _ in range(w)]
+        dist.all_gather(parts, mine)
+        every = torch.stack(parts)                                  # [rank, 2 W S + 8]
+        n = w * nseg
+        # Rank r's up_obs[i, k] is up[sender i, server r, k]; its down_obs[s, k] is down[server s, worker r, k].
+        up = every[:, :n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
+        down = every[:, n:2 * n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
+        self._deadline_s = max(struct.unpack("<d", bytes(p[2 * n:].tolist()))[0] for p in parts)
+        return LinkSample(self._round - 1, up, down, self.segment_bytes)
+
+    def transport_stats(self) -> dict[str, int | float]:
+        """The run's datagram counters summed over the ranks (a collective), and the observed loss rate."""
+        names = list(self._totals)
+        total = torch.tensor([float(self._totals[k]) for k in names], dtype=torch.float64)
+        dist.all_reduce(total)
+        t = dict(zip(names, (int(v) for v in total.tolist()), strict=True))
+        return {"datagrams_sent": t["sent"], "datagrams_received": t["received"],
+                "observed_loss": (1 - t["received"] / t["expected"]) if t["expected"] else 0.0,
+                "late": t["late"], "rejected": t["rejected"],
+                "phases_closed_by_deadline": t["closed_by_deadline"]}
 
 
 def init_from_env(timeout_s: float) -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from shaky.comm.base import Done, block_sizes, segment_counts, segment_length
+
+if TYPE_CHECKING:
+    from shaky.network.model import LinkSample
 
 
 class SimComm:
@@ -34,6 +39,14 @@ class SimComm:
 
     def on_step(self, step: int) -> None:
         """Nothing to report: every worker lives in this process."""
+
+    def delivered(self, links: LinkSample) -> LinkSample:
+        """The masks that applied: the drawn ones."""
+        return links
+
+    def transport_stats(self) -> dict[str, int | float]:
+        """Nothing: the simulator's losses are drawn, not observed."""
+        return {}
 
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,

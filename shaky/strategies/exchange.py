@@ -63,6 +63,15 @@ class StepStats:
         return sum(p.dropped for p in self.phases)
 
 
+def observed(stats: StepStats, drawn: LinkSample, seen: LinkSample) -> StepStats:
+    """``stats`` of a step whose exchange ran on a transport that observed its masks (udp) rather than
+    drawing them: each phase that read the drawn masks reads what arrived instead, so the counters and the
+    clock count the real losses."""
+    swap = {id(drawn.up): seen.up, id(drawn.down): seen.down}
+    return dataclasses.replace(stats, phases=tuple(
+        dataclasses.replace(p, delivered=swap.get(id(p.delivered), p.delivered)) for p in stats.phases))
+
+
 class _Then(NamedTuple):
     """A started exchange whose result goes through ``fn`` when it completes."""
 

@@ -1,0 +1,164 @@
+"""`shaky train --backend dist --transport udp`: training over a network that really loses packets.
+
+Each test makes a private network namespace (``unshare --net``, as root) and runs torchrun inside it on the
+namespace's own loopback (``tests/netns.py``), with an iptables rule that drops a fraction of the UDP
+datagrams, or with an attacker on the path (``tests/udp_attacker.py``). Without root, unshare or iptables
+they skip with one line that says why (the README says how to enable them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shaky.rundir import load_checkpoint, read_summary
+
+from test_udp import _real_loss_unavailable
+
+TESTS = Path(__file__).resolve().parent
+WORKERS = 4
+
+
+def _torchrun(out: Path, *args: str, workers: int = WORKERS, port: int = 29400) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), "--master-addr",
+            "127.0.0.1", "--master-port", str(port), "-m", "shaky", "train", "--backend", "dist",
+            "--transport", "udp", "--workers", str(workers), "--quiet", "--out", str(out), *args]
+
+
+def _in_namespace(command: list[str], *, loss: float = 0.0, also: list[list[str]] = (), cwd: Path,
+                  timeout: float = 240) -> subprocess.CompletedProcess:
+    why = _real_loss_unavailable()
+    if why:
+        pytest.skip(why)
+    wrapper = ["unshare", "--net", sys.executable, str(TESTS / "netns.py"), "--loss", str(loss),
+               *[arg for cmd in also for arg in ("--also", json.dumps(cmd))], "--", *command]
+    return subprocess.run(wrapper, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_real_lossy_udp_run_replays_in_the_simulator(tmp_path: Path) -> None:
+    """10% of the datagrams really lost: the run trains, its trace holds what arrived (segment by segment),
+    and the simulator replaying that trace ends at the same parameters (allclose 1e-5)."""
+    out = tmp_path / "udp"
+    done = _in_namespace(_torchrun(out, "--strategy", "rps", "--steps", "40", "--eval-every", "20"),
+                         loss=0.1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = read_summary(out)
+    assert summary["transport"] == "udp" and summary["drop_rate"] == "real"
+    udp = summary["udp"]
+    assert 0.05 < udp["observed_loss"] < 0.2, udp            # what the rule dropped, as the ranks counted it
+    assert summary["messages_dropped"] == udp["datagrams_sent"] - udp["datagrams_received"], (summary, udp)
+    assert summary["final_test_accuracy"] > 0.5
+
+    replay = tmp_path / "replay"
+    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(out / "config.toml"),
+                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(out), "--quiet",
+                          "--out", str(replay)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    real, replayed = load_checkpoint(out)["params"], load_checkpoint(replay)["params"]
+    torch.testing.assert_close(replayed, real, rtol=1e-5, atol=1e-5)
+    assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
+
+
+def test_an_attacker_on_the_path_changes_nothing(tmp_path: Path) -> None:
+    """Random, truncated, forged-tag, wrong-address and replayed datagrams at every rank's port during a
+    4-process run at zero loss and a generous deadline: the final parameters are those of the same run
+    without the attacker, bit for bit, and the ranks rejected the attacker's datagrams."""
+    args = ("--strategy", "rps", "--steps", "30", "--eval-every", "10", "--deadline-ms", "20000",
+            "--set", 'dist.ports="31000-31003"')
+    quiet = _in_namespace(_torchrun(tmp_path / "quiet", *args), cwd=tmp_path)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    counts = tmp_path / "attacks.json"
+    attacker = [sys.executable, str(TESTS / "udp_attacker.py"), "31000", "31003", "200", str(counts)]
+    attacked = _in_namespace(_torchrun(tmp_path / "attacked", *args), also=[attacker], cwd=tmp_path)
+    assert attacked.returncode == 0, attacked.stderr[-3000:]
+    sent = json.loads(counts.read_text())
+    assert all(sent[kind] > 0 for kind in ("random", "truncated", "forged_tag", "wrong_address", "replayed")), sent
+    assert torch.equal(load_checkpoint(tmp_path / "attacked")["params"], load_checkpoint(tmp_path / "quiet")["params"])
+    udp = read_summary(tmp_path / "attacked")["udp"]
+    assert udp["rejected"] > 0 and udp["observed_loss"] == 0.0, udp
+    assert read_summary(tmp_path / "quiet")["udp"]["rejected"] == 0
+
+
+def _torchrun_plain(tmp_path: Path, *args: str, workers: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
+           "-m", "shaky", "train", "--backend", "dist", "--workers", str(workers), "--steps", "3", "--quiet",
+           "--out", str(tmp_path / "run"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _one_error(proc: subprocess.CompletedProcess) -> str:
+    """The one line of a torchrun job whose ranks found bad input (torchrun itself exits 1; the ranks exit 2)."""
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("shaky: error:")]
+    assert proc.returncode != 0 and len(ours) == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-2000:]
+    return ours[0]
+
+
+@pytest.mark.parametrize("content", [None, b"", b"  \n"], ids=["unreadable", "empty", "blank"])
+def test_a_bad_key_file_is_one_line(tmp_path: Path, content: bytes | None) -> None:
+    key = tmp_path / "shaky.key"
+    if content is not None:
+        key.write_bytes(content)
+    line = _one_error(_torchrun_plain(tmp_path, "--transport", "udp", "--key-file", str(key)))
+    assert "dist.key_file" in line and str(key) in line, line
+    assert ("cannot be read" if content is None else "no key") in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        line = _one_error(_torchrun_plain(tmp_path, "--transport", "udp", "--set", f'dist.ports="{port}"',
+                                          "--set", 'dist.host="127.0.0.1"'))
+    assert f"ports {port}-{port}" in line and "dist.ports" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+AVERAGER_SCRIPT = r"""
+import sys
+import torch, torch.distributed as dist
+import shaky
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(rank)
+model = torch.nn.Sequential(torch.nn.Linear(300, 40), torch.nn.ReLU(), torch.nn.Linear(40, 3)).double()
+model[2].float()                      # two dtypes: two vectors, each its own exchange
+averager = shaky.RPSAverager(model, transport="udp", deadline_ms=10000, key_file=sys.argv[1])
+for _ in range(3):
+    before = [p.detach().clone() for p in model.parameters()]
+    averager.step()
+    for p, b in zip(model.parameters(), before):
+        mean = b.clone()
+        dist.all_reduce(mean)
+        torch.testing.assert_close(p.detach(), mean / world, rtol=1e-6, atol=1e-7)
+observed = averager.comm.observed
+assert observed.up.all() and observed.down.all() and averager.messages_dropped == 0
+assert averager.messages_sent > 0 and averager.comm.last_stats.received == sum(averager.comm.last_stats.expected)
+print("averaged", rank, averager.messages_sent)
+averager.comm.close()
+dist.destroy_process_group()
+"""
+
+
+def test_rps_averager_over_udp(tmp_path: Path) -> None:
+    """A user's own loop: RPSAverager(model, transport="udp") with a key file gives the exact mean when nothing
+    is lost (two processes on 127.0.0.1, a float64 and a float32 group)."""
+    script, key = tmp_path / "averager.py", tmp_path / "shaky.key"
+    script.write_text(AVERAGER_SCRIPT)
+    key.write_bytes(os.urandom(32))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           str(key)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("averaged")) == ["0", "1"]
+    assert "not encrypted" not in proc.stderr        # the key came from the file
