@@ -278,10 +278,14 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         init_from_env(cfg.dist_timeout_s)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
-    if dist.get_world_size() != cfg.num_workers:
-        raise BadInput(f"num_workers is {cfg.num_workers} but torchrun started {dist.get_world_size()} processes; "
-                       "they must match (one worker per process)")
-    comm = _dist_comm(cfg) if cfg.dist.transport == "udp" else DistComm(heartbeat=True)
+    try:
+        if dist.get_world_size() != cfg.num_workers:
+            raise BadInput(f"num_workers is {cfg.num_workers} but torchrun started {dist.get_world_size()} "
+                           "processes; they must match (one worker per process)")
+        comm = _dist_comm(cfg) if cfg.dist.transport == "udp" else DistComm(heartbeat=True)
+    except BadInput:
+        dist.destroy_process_group()   # leaving with the group alive can abort the process at exit
+        raise
     # Every rank must agree on what rank 0 decided or measured.
     run_dir = Path(str(broadcast_object(str(run_dir))))
     if comm.rank == 0 and setup.compute_ms < 0:  # the machine's cached measurement, as the simulator uses

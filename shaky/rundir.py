@@ -265,6 +265,9 @@ class Counters:
     train_loss_count: int = 0
     comm_rounds: int = 0
     rounds_to_target: int = -1
+    transport: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What a real lossy transport counted up to the checkpoint (``Comm.transport_stats``; empty on gloo and
+    the simulator)."""
 
 
 _CHECKPOINT_HEADER = b"shaky checkpoint 1 sha256="

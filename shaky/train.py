@@ -120,8 +120,10 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
         params, state = _loop(setup, comm, sampler, batch_mask, members, clock, masks, params, state, counters,
                               metrics, bar, faults, signals)
     bar.close()
-    _checkpoint(setup, run_dir, comm, params, state, counters, clock, masks, writer, t_start, trace=True)
-    summary = metrics.summary(udp=comm.transport_stats())   # a collective on the dist backend: every rank
+    _checkpoint(setup, run_dir, comm, params, state, counters, clock, masks, writer, t_start, trace=True,
+                transport_before=metrics.transport_before)
+    # transport_stats is a collective on the dist backend: every rank calls it.
+    summary = metrics.summary(udp=comm.transport_stats(metrics.transport_before))
     if writer:
         summary.write(run_dir)
     return summary.to_dict()
@@ -177,7 +179,7 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         if stop is not None or (cfg.checkpoint_every and counters.step % cfg.checkpoint_every == 0
                                 and counters.step < cfg.steps):
             _checkpoint(setup, metrics.run_dir, comm, params, state, counters, clock, masks, metrics.writer,
-                        metrics.t_start, trace=stop is not None)
+                        metrics.t_start, trace=stop is not None, transport_before=metrics.transport_before)
         if stop is not None:
             bar.close()
             raise Stopped(stop, counters.step, cfg.steps)
@@ -225,12 +227,15 @@ def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: MaskLog
 
 
 def _checkpoint(setup: Setup, run_dir: Path, comm: Comm, params: torch.Tensor, state: Any, counters: Counters,
-                clock: Clock, masks: MaskLog, writer: bool, t_start: float, *, trace: bool) -> None:
+                clock: Clock, masks: MaskLog, writer: bool, t_start: float, *, trace: bool,
+                transport_before: dict[str, Any]) -> None:
     """Gathers every worker's rows (a collective on the dist backend) and writes the checkpoint, and with
     ``trace`` the delivery trace (a resume draws the masks again from the seed, so the periodic checkpoints
     skip it: it grows with the run, and writing it every time would make checkpoints quadratic)."""
     full_params, full_state = comm.gather(params), map_rows(state, comm.gather)
     observed = _observes_losses(setup.cfg)
+    if observed:
+        counters.transport = comm.transport_stats(transport_before)
     if writer and observed:   # first: a checkpoint always has the masks of the rounds before it
         save_trace(run_dir, masks.packed(), setup.cfg.num_workers)
     if writer:
@@ -262,6 +267,8 @@ class _Metrics:
                  writer: bool, counters: Counters, t_start: float) -> None:
         self.setup, self.members, self.comm, self.run_dir = setup, members, comm, run_dir
         self.bar, self.writer, self.counters, self.t_start = bar, writer, counters, t_start
+        self.transport_before = dict(counters.transport)
+        """The real transport's counts up to the checkpoint this run resumed from (empty: a fresh run)."""
         self.held = [set(s.tolist()) for s in setup.shards] if setup.cfg.failures else None
         self.last: dict[str, Any] | None = None
 

@@ -26,10 +26,12 @@ TESTS = Path(__file__).resolve().parent
 WORKERS = 4
 
 
-def _torchrun(out: Path, *args: str, workers: int = WORKERS, port: int = 29400) -> list[str]:
+def _torchrun(out: Path, *args: str, workers: int = WORKERS, resume: bool = False) -> list[str]:
+    """torchrun of a udp run into ``out`` (or of its ``--resume``), inside a namespace: any port will do."""
+    run = ["--resume", str(out)] if resume else ["--backend", "dist", "--transport", "udp", "--workers",
+                                                 str(workers), "--out", str(out), *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), "--master-addr",
-            "127.0.0.1", "--master-port", str(port), "-m", "shaky", "train", "--backend", "dist",
-            "--transport", "udp", "--workers", str(workers), "--quiet", "--out", str(out), *args]
+            "127.0.0.1", "--master-port", "29400", "-m", "shaky", "train", "--quiet", *run]
 
 
 def _in_namespace(command: list[str], *, loss: float = 0.0, also: list[list[str]] = (), cwd: Path,
@@ -44,11 +46,18 @@ def _in_namespace(command: list[str], *, loss: float = 0.0, also: list[list[str]
 
 
 def test_a_real_lossy_udp_run_replays_in_the_simulator(tmp_path: Path) -> None:
-    """10% of the datagrams really lost: the run trains, its trace holds what arrived (segment by segment),
-    and the simulator replaying that trace ends at the same parameters (allclose 1e-5)."""
+    """10% of the datagrams really lost, and rank 1 dies after step 30 (a checkpoint at 20): the run is
+    resumed and finishes, its trace holds what arrived (segment by segment) before and after the resume, and
+    the simulator replaying that trace ends at the same parameters (allclose 1e-5)."""
     out = tmp_path / "udp"
-    done = _in_namespace(_torchrun(out, "--strategy", "rps", "--steps", "40", "--eval-every", "20"),
-                         loss=0.1, cwd=tmp_path)
+    args = ("--strategy", "rps", "--steps", "40", "--eval-every", "10", "--checkpoint-every", "20")
+    os.environ["SHAKY_INJECT_FAULT"] = "exit:1:30"
+    try:
+        died = _in_namespace(_torchrun(out, *args), loss=0.1, cwd=tmp_path)
+    finally:
+        del os.environ["SHAKY_INJECT_FAULT"]
+    assert died.returncode != 0 and "rank 1 stopped answering" in died.stderr, died.stderr[-3000:]
+    done = _in_namespace(_torchrun(out, resume=True), loss=0.1, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = read_summary(out)
     assert summary["transport"] == "udp" and summary["drop_rate"] == "real"

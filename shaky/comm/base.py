@@ -92,9 +92,10 @@ class Comm(Protocol):
         on the simulator and on gloo; what really arrived on a transport that loses packets (udp)."""
         ...
 
-    def transport_stats(self) -> dict[str, int | float]:
+    def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """What a real lossy transport counted over the run, summed over the ranks (a collective on the dist
-        backend); empty where the losses are drawn."""
+        backend), added to ``before`` (the table at the checkpoint a run was resumed from); empty where the
+        losses are drawn."""
         ...
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:

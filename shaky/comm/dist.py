@@ -94,7 +94,7 @@ class DistComm:
         """The masks that applied this step: on gloo, the drawn ones (``links``)."""
         return links
 
-    def transport_stats(self) -> dict[str, int | float]:
+    def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """What the data plane counted over the run, summed over the ranks (a collective): nothing on gloo."""
         return {}
 
@@ -438,16 +438,22 @@ class UdpDistComm(DistComm):
         self._deadline_s = max(struct.unpack("<d", bytes(p[2 * n:].tolist()))[0] for p in parts)
         return LinkSample(self._round - 1, up, down, self.segment_bytes)
 
-    def transport_stats(self) -> dict[str, int | float]:
-        """The run's datagram counters summed over the ranks (a collective), and the observed loss rate."""
+    def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
+        """The run's datagram counters summed over the ranks (a collective), plus ``before`` (the same table
+        from the run's checkpoint, when it was resumed), and the observed loss rate 1 - received / expected."""
         names = list(self._totals)
         total = torch.tensor([float(self._totals[k]) for k in names], dtype=torch.float64)
         dist.all_reduce(total)
         t = dict(zip(names, (int(v) for v in total.tolist()), strict=True))
-        return {"datagrams_sent": t["sent"], "datagrams_received": t["received"],
-                "observed_loss": (1 - t["received"] / t["expected"]) if t["expected"] else 0.0,
-                "late": t["late"], "rejected": t["rejected"],
-                "phases_closed_by_deadline": t["closed_by_deadline"]}
+        out: dict[str, int | float] = {
+            "datagrams_sent": t["sent"], "datagrams_received": t["received"], "datagrams_expected": t["expected"],
+            "late": t["late"], "rejected": t["rejected"], "phases_closed_by_deadline": t["closed_by_deadline"]}
+        for key, value in (before or {}).items():
+            if key in out:
+                out[key] += int(value)
+        expected = out["datagrams_expected"]
+        out["observed_loss"] = 1 - out["datagrams_received"] / expected if expected else 0.0
+        return out
 
 
 def init_from_env(timeout_s: float) -> None:

@@ -44,7 +44,7 @@ class SimComm:
         """The masks that applied: the drawn ones."""
         return links
 
-    def transport_stats(self) -> dict[str, int | float]:
+    def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """Nothing: the simulator's losses are drawn, not observed."""
         return {}
 
