@@ -654,7 +654,7 @@ def _run_pool(tasks: list[Task], jobs: int, runner: Callable[[Task], dict[str, A
         while queue or pending:
             while queue and len(pending) < jobs:
                 task = queue.pop(0)
-                pending[pool.submit(runner, task)] = (task, time.perf_counter())
+                pending[pool.submit(_in_worker, runner, os.getpid(), task)] = (task, time.perf_counter())
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in finished:
                 task, start = pending.pop(future)
@@ -686,6 +686,20 @@ def _run_pool(tasks: list[Task], jobs: int, runner: Callable[[Task], dict[str, A
             process.join(5)
         raise
     pool.shutdown(wait=True)
+
+
+def _in_worker(runner: Callable[[Task], dict[str, Any]], parent: int, task: Task) -> dict[str, Any]:
+    """``runner(task)`` in a worker process, which exits when the task ends if the sweep process is gone.
+
+    A worker whose parent was killed (SIGKILL: no clean-up) gets SIGTERM from the kernel
+    (``_worker_init``), stops its run after the step with a checkpoint, and would then wait for its next
+    task forever: the pool's queues are pipes the worker itself holds both ends of, so no end-of-file
+    ever comes. It leaves instead."""
+    try:
+        return runner(task)
+    finally:
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 WORKER_STOP_S = 60.0
