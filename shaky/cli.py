@@ -22,7 +22,7 @@ from typing import Any, Iterator, Sequence
 from shaky.config import MAX_SCALE_PERIOD  # no torch: process_settings must come before torch loads
 
 EXIT_BAD_INPUT = 2
-BAD_INPUT_GRACE_S = 3.0
+BAD_INPUT_GRACE_S = 2.0
 """Under torchrun, how long a rank other than 0 waits before it exits on bad input (rank 0 prints the line)."""
 
 
