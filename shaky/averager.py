@@ -43,9 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 
-from shaky.comm.dist import DistComm, UdpDistComm, agreed_key
-from shaky.comm.udp import UdpOptions
-from shaky.config import NetworkConfig, _build
+from shaky.comm.dist import DistComm, UdpDistComm, udp_comm
+from shaky.config import UDP_PORTS, DistConfig, NetworkConfig, _build
 from shaky.network.clock import PhaseTraffic
 from shaky.network.faults import Membership, Round
 from shaky.network.model import NetworkModel
@@ -173,8 +172,8 @@ class ModelAverager:
     def __init__(self, model: torch.nn.Module, *, network: NetworkConfig | dict[str, Any] | str | None = None,
                  period: int = 1, warmup_steps: int = 0, seed: int = 0,
                  outer_optimizer: OuterSGD | None = None, average_buffers: bool = True, transport: str = "gloo",
-                 deadline_ms: float | None = None, key_file: str = "", ports: str | range = "29600-29855",
-                 host: str = "", udp_options: UdpOptions | None = None) -> None:
+                 deadline_ms: float | None = None, key_file: str = "", ports: str = UDP_PORTS,
+                 host: str = "") -> None:
         """Args:
             model: The module whose parameters every rank averages (same architecture on every rank).
             network: A NetworkConfig, a dict of its settings (``{"drop_rate": 0.1}``), or a preset name. A
@@ -193,9 +192,10 @@ class ModelAverager:
             key_file: udp: a file of at least 16 bytes that every rank holds, keying the datagrams' tags;
                 empty: ``$SHAKY_KEY``, else rank 0 makes a key and hands it out through the (unencrypted)
                 rendezvous store, and every rank says so on stderr.
-            ports: udp: the UDP ports a rank may bind ("FIRST-LAST" or a range); it binds the first free one.
+            ports: udp: the UDP ports a rank may bind ("FIRST-LAST" or one port); it binds the first free one.
             host: udp: this rank's IPv4 address as the others reach it (empty: the route to MASTER_ADDR).
-            udp_options: udp: datagram size, socket buffers, pacing (``shaky.comm.udp.UdpOptions``).
+            The udp settings are ``shaky train``'s ``[dist]`` settings, checked alike (a ValueError names the
+            setting); setting one with transport "gloo" is an error.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -206,12 +206,8 @@ class ModelAverager:
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         if not isinstance(average_buffers, bool):
             raise TypeError(f"average_buffers must be True or False, got {average_buffers!r}")
-        if transport not in ("gloo", "udp"):
-            raise ValueError(f"transport must be \"gloo\" or \"udp\", got {transport!r}")
-        if deadline_ms is not None and (isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float))
-                                        or not 0 < deadline_ms <= 3.6e6):
-            raise ValueError(f"deadline_ms must be a positive number of milliseconds (at most an hour) or None, "
-                             f"got {deadline_ms!r}")
+        settings = DistConfig(transport=transport, deadline_ms="adaptive" if deadline_ms is None else deadline_ms,
+                              key_file=key_file, ports=ports, host=host)
         if not dist.is_initialized():
             raise RuntimeError("the averager needs torch.distributed to be initialised (start with torchrun)")
         cfg = _network_config(network, dist.get_world_size())
@@ -219,12 +215,7 @@ class ModelAverager:
             if cfg.drop_rate or cfg.burst_enter:
                 raise ValueError(f"network drop_rate/burst_enter ({cfg.drop_rate!r}/{cfg.burst_enter!r}) are drawn "
                                  "losses; with transport=\"udp\" the losses are the network's (leave them unset)")
-            if isinstance(ports, str):
-                from shaky.config import DistConfig  # noqa: PLC0415
-
-                ports = DistConfig(transport="udp", ports=ports).port_range()
-            self.comm: DistComm = UdpDistComm(deadline_ms=deadline_ms, key=agreed_key(key_file), ports=ports,
-                                              host=host or None, options=udp_options)
+            self.comm: DistComm = udp_comm(settings)
         else:
             self.comm = DistComm()
         self.transport = transport
@@ -435,11 +426,11 @@ class RPSAverager(ModelAverager):
 
     def __init__(self, model: torch.nn.Module, *, network: NetworkConfig | dict[str, Any] | str | None = None,
                  warmup_steps: int = 0, seed: int = 0, average_buffers: bool = True, transport: str = "gloo",
-                 deadline_ms: float | None = None, key_file: str = "", ports: str | range = "29600-29855",
-                 host: str = "", udp_options: UdpOptions | None = None) -> None:
+                 deadline_ms: float | None = None, key_file: str = "", ports: str = UDP_PORTS,
+                 host: str = "") -> None:
         super().__init__(model, network=network, period=1, warmup_steps=warmup_steps, seed=seed,
                          average_buffers=average_buffers, transport=transport, deadline_ms=deadline_ms,
-                         key_file=key_file, ports=ports, host=host, udp_options=udp_options)
+                         key_file=key_file, ports=ports, host=host)
 
 
 def _outer_init(outer: OuterSGD, groups: list[_Group], averaged: list[torch.Tensor]) -> list[OuterState]:

@@ -249,28 +249,11 @@ def _checkpoint_note(run_dir: Path, command: str = "torchrun ... -m shaky train"
     return f"{path} at step {step}; resume with `{command} --resume {run_dir}`"
 
 
-def _dist_comm(cfg: Any) -> Any:
-    """The udp transport's comm, built by every rank together; bad input on any rank stops every rank with
-    the same line (the key file is read by each rank, so each says whether it could)."""
-    from shaky.comm.dist import UdpDistComm, agreed_key  # noqa: PLC0415
-    from shaky.comm.udp import UdpOptions  # noqa: PLC0415
-
-    d = cfg.dist
-    try:
-        key = agreed_key(d.key_file)
-        return UdpDistComm(deadline_ms=None if d.deadline_ms == "adaptive" else d.deadline_ms, key=key,
-                           ports=d.port_range(), host=d.host or None, heartbeat=True,
-                           options=UdpOptions(datagram_bytes=d.datagram_bytes,
-                                              send_rate_mbps=d.send_rate_mbps or None))
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
-
-
 def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     """One worker of a torchrun job: rank 0 picks the run directory and writes it; all ranks train."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from shaky.comm.dist import DistComm, broadcast_object, init_from_env  # noqa: PLC0415
+    from shaky.comm.dist import DistComm, broadcast_object, init_from_env, udp_comm  # noqa: PLC0415
     from shaky.train import train  # noqa: PLC0415
 
     cfg = setup.cfg
@@ -282,7 +265,10 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         if dist.get_world_size() != cfg.num_workers:
             raise BadInput(f"num_workers is {cfg.num_workers} but torchrun started {dist.get_world_size()} "
                            "processes; they must match (one worker per process)")
-        comm = _dist_comm(cfg) if cfg.dist.transport == "udp" else DistComm(heartbeat=True)
+        comm = udp_comm(cfg.dist, heartbeat=True) if cfg.dist.transport == "udp" else DistComm(heartbeat=True)
+    except ValueError as exc:    # udp: a key file, a port or the keys (on every rank alike)
+        dist.destroy_process_group()
+        raise BadInput(str(exc)) from None
     except BadInput:
         dist.destroy_process_group()   # leaving with the group alive can abort the process at exit
         raise

@@ -37,6 +37,8 @@ STRATEGIES = tuple(STRATEGY_OPTIONS)
 OPTIMIZERS = ("sgd", "adamw")
 BACKENDS = ("sim", "dist")
 TRANSPORTS = ("gloo", "udp")
+UDP_PORTS = "29600-29855"
+"""The UDP ports a udp rank may bind by default (``dist.ports``)."""
 UDP_OVERHEAD_BYTES = 52
 """Header and tag bytes of a udp datagram (``shaky.comm.udp.OVERHEAD_BYTES``; a test checks they agree):
 a datagram of ``dist.datagram_bytes`` carries a segment of ``datagram_bytes - 52`` bytes."""
@@ -325,7 +327,7 @@ class DistConfig:
     key_file: str = ""
     """udp: a file every node has, whose bytes (at least 16) key the datagrams' tags; empty: the environment
     variable SHAKY_KEY, else rank 0 makes a key for this run and hands it out through the rendezvous store."""
-    ports: str = "29600-29855"
+    ports: str = UDP_PORTS
     """udp: the UDP ports a rank may bind, "FIRST-LAST" (or one port); each rank binds the first free one."""
     host: str = ""
     """udp: this rank's IPv4 address as the others reach it (empty: the address this machine uses to reach
@@ -341,7 +343,8 @@ class DistConfig:
             if self.deadline_ms != "adaptive":
                 raise ValueError(f"dist.deadline_ms must be a positive number of milliseconds or \"adaptive\", "
                                  f"got {self.deadline_ms!r}")
-        elif not 0 < self.deadline_ms <= 3.6e6:  # NaN fails too
+        elif isinstance(self.deadline_ms, bool) or not isinstance(self.deadline_ms, (int, float)) or \
+                not 0 < self.deadline_ms <= 3.6e6:  # NaN fails too
             raise ValueError(f"dist.deadline_ms must be a positive number of milliseconds (at most an hour) or "
                              f"\"adaptive\", got {self.deadline_ms!r}")
         if self.transport != "udp":

@@ -88,6 +88,15 @@ def _network(rank: int) -> dict[str, Any]:
             out[name] = None
         except ValueError as exc:
             out[name] = str(exc)
+    udp_bad = {"udp_only_on_gloo": {"deadline_ms": 50}, "bad_transport": {"transport": "tcp"},
+               "bad_deadline": {"transport": "udp", "deadline_ms": -1}, "bad_ports": {"transport": "udp", "ports": "9-1"},
+               "drawn_loss_on_udp": {"transport": "udp", "network": {"drop_rate": 0.1}}}
+    for name, kwargs in udp_bad.items():   # refused before any socket or collective
+        try:
+            shaky.RPSAverager(model, **kwargs)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
     return out
 
 
@@ -281,6 +290,11 @@ def test_network_matrices_are_checked_against_the_world_size(ranks) -> None:
         assert run["3x3_latency"].startswith("network.latency_ms is a 3x3 matrix but the world size is 2")
         assert run["trace"].startswith("network.trace is not supported by the averager")
         assert all("\n" not in run[k] for k in ("3x3_drop_rate", "3x3_latency", "trace"))
+        assert run["udp_only_on_gloo"].startswith("dist.deadline_ms = 50 applies only with dist.transport")
+        assert run["bad_transport"].startswith("dist.transport must be one of")
+        assert run["bad_deadline"].startswith("dist.deadline_ms must be a positive number")
+        assert run["bad_ports"].startswith("dist.ports must be FIRST-LAST")
+        assert run["drawn_loss_on_udp"].startswith("network drop_rate/burst_enter (0.1/0.0) are drawn losses")
 
 
 def test_state_dict_round_trip_continues_bit_for_bit(ranks) -> None:

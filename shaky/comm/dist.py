@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from shaky.comm.base import Done, block_sizes
 from shaky.comm.udp import AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions
+from shaky.config import DistConfig
 from shaky.network.model import LinkSample
 
 
@@ -224,7 +225,7 @@ KEY_ENV = "SHAKY_KEY"
 """The environment variable that holds the udp key material when ``dist.key_file`` is not given."""
 MIN_KEY_BYTES = 16
 """Key material shorter than this (after stripping white space) is refused."""
-DEFAULT_PORTS = range(29600, 29856)
+DEFAULT_PORTS = DistConfig().port_range()
 """The UDP ports a rank may bind by default (``dist.ports``)."""
 
 
@@ -303,9 +304,9 @@ class UdpDistComm(DistComm):
 
         Raises ValueError (the same on every rank, naming the rank) when a rank cannot bind a port, or the
         ranks' keys differ."""
-        super().__init__(heartbeat=heartbeat)
         if deadline_ms is not None and not 0 < deadline_ms < float("inf"):
             raise ValueError(f"deadline_ms must be a positive number of milliseconds, got {deadline_ms!r}")
+        super().__init__(heartbeat=heartbeat)
         UdpDistComm._instances += 1
         prefix = f"shaky/udp/{UdpDistComm._instances}"
         store, me, w = self._store, self.rank, self.num_workers
@@ -355,8 +356,7 @@ class UdpDistComm(DistComm):
         self._observed_now = False
         self.last_stats: ExchangeStats | None = None
         """The counters of the last exchange (this rank's)."""
-        self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "rounds": 0,
-                        "closed_by_deadline": 0}
+        self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "closed_by_deadline": 0}
         dist.barrier()
 
     @property
@@ -414,7 +414,6 @@ class UdpDistComm(DistComm):
         t["expected"] += sum(stats.expected)
         t["late"] += stats.late
         t["rejected"] += stats.rejected
-        t["rounds"] += 1
         t["closed_by_deadline"] += sum(c == "deadline" for c in stats.closed_by)
         if self._fixed_s is None:
             self._adaptive.observe_stats(stats)
@@ -454,6 +453,16 @@ class UdpDistComm(DistComm):
         expected = out["datagrams_expected"]
         out["observed_loss"] = 1 - out["datagrams_received"] / expected if expected else 0.0
         return out
+
+
+def udp_comm(settings: DistConfig, *, heartbeat: bool = False) -> UdpDistComm:
+    """The udp transport's comm for the ``[dist]`` settings, built by every rank together (a collective):
+    ``shaky train --transport udp`` and ``RPSAverager(transport="udp")`` both start it here. A key file that
+    one rank cannot read, a rank with no free port or keys that differ raise the same ValueError on every rank."""
+    return UdpDistComm(deadline_ms=None if settings.deadline_ms == "adaptive" else float(settings.deadline_ms),
+                       key=agreed_key(settings.key_file), ports=settings.port_range(), host=settings.host or None,
+                       heartbeat=heartbeat, options=UdpOptions(datagram_bytes=settings.datagram_bytes,
+                                                               send_rate_mbps=settings.send_rate_mbps or None))
 
 
 def init_from_env(timeout_s: float) -> None:
