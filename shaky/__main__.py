@@ -2,10 +2,9 @@
 
 import sys
 
-try:
+from shaky.interrupt import exiting
+
+with exiting():  # a signal while Python loads shaky ends the process at once, with one line
     from shaky.cli import main
-except KeyboardInterrupt:  # Ctrl-C while Python is still starting: one line, as everywhere else
-    print("shaky: interrupted", file=sys.stderr)
-    sys.exit(130)
 
 sys.exit(main())

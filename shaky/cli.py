@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from shaky.config import MAX_SCALE_PERIOD  # no torch: process_settings must come before torch loads
+from shaky.interrupt import exiting
 
 EXIT_BAD_INPUT = 2
 BAD_INPUT_GRACE_S = 2.0
@@ -650,7 +651,9 @@ def _shares_cores(args: argparse.Namespace) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        process_settings(shared_cores=_shares_cores(args))  # loads torch: seconds in which Ctrl-C may come
+        with exiting():  # seconds of loading torch and scikit-learn, before anything is written
+            process_settings(shared_cores=_shares_cores(args))
+            import shaky.data  # noqa: F401, PLC0415 (scikit-learn, scipy)
         return {"train": cmd_train, "demo": cmd_demo, "scale": cmd_scale, "sweep": cmd_sweep,
                 "report": cmd_report}[args.command](args)
     except BadInput as exc:

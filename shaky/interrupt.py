@@ -12,6 +12,7 @@ stops them all.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -87,3 +88,28 @@ def raising(signum: int = signal.SIGTERM) -> Iterator[None]:
         yield
     finally:
         signal.signal(signum, old)
+
+
+@contextlib.contextmanager
+def exiting() -> Iterator[None]:
+    """While inside (in the main thread), SIGINT and SIGTERM end the process at once with one line and status
+    128 + the signal's number: for a command's start (loading torch, scikit-learn), where nothing has been
+    written yet. An exception raised by a signal in the middle of an import can be swallowed by the C code
+    it interrupts and leave the module half loaded (numpy's lazy submodules then recurse without end on
+    their next use), so the start is never interrupted by an exception. A signal the process ignores stays
+    ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        word = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        os.write(2, f"shaky: {word}\n".encode())
+        os._exit(128 + signum)
+
+    old = {s: signal.signal(s, handle) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
