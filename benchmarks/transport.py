@@ -353,13 +353,14 @@ def _last_step(run_dir: Path) -> int | None:
 
 
 def run_training(losses: list[float], steps: int, timeout_s: float,
-                 save: Callable[[list[dict[str, Any]]], None]) -> None:
+                 save: Callable[[list[dict[str, Any]]], None], runs: list[str]) -> None:
     """One torchrun per (transport, loss), each in its own pid namespace (a timeout kills all of it);
     ``save`` gets the rows so far after each."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     out: list[dict[str, Any]] = []
     for p in losses:
-        for name, (proto, flags) in RUNS.items():
+        for name in runs:
+            proto, flags = RUNS[name]
             with tempfile.TemporaryDirectory(prefix="shaky-transport-") as tmp:
                 run_dir = Path(tmp) / "run"
                 cmd = ["unshare", "--pid", "--fork", "--kill-child", torchrun, "--nproc-per-node", str(WORLD),
@@ -571,6 +572,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, help="measured rounds per cell (default 5)")
     parser.add_argument("--timeout", type=float, help="seconds one round may take (default 60)")
     parser.add_argument("--steps", type=int, help="training steps (default 1000)")
+    parser.add_argument("--runs", nargs="+", choices=tuple(RUNS), default=list(RUNS),
+                        help="training runs to make (default: all)")
     parser.add_argument("--train-timeout", type=float, help="seconds one training run may take (default 600)")
     parser.add_argument("--keep-gso", action="store_true",
                         help="leave lo's GSO on: cheaper sends (64 KB TCP and UDP batches cross lo whole), but the "
@@ -648,7 +651,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             run_rounds([int(s) for s in args.sizes], args.losses, args.repeats, args.timeout, keep)
         else:
             meta.update(steps=args.steps, timeout_s=args.train_timeout)
-            run_training(args.losses, args.steps, args.train_timeout, keep)
+            run_training(args.losses, args.steps, args.train_timeout, keep, args.runs)
         meta.update(took_s=time.perf_counter() - t0, load_after=os.getloadavg()[0])
         save()
     return data

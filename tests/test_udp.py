@@ -156,6 +156,7 @@ def test_zero_loss_is_the_exact_mean(W: int, offload: bool) -> None:
         assert stats.received == sum(stats.expected) and stats.rejected == stats.late == 0
         assert stats.closed_by == ("complete", "complete")
         assert stats.sent == sum(nseg) - nseg[r] + (W - 1) * nseg[r]
+        assert stats.repeated == 2 * (W - 1)      # one copy of the last datagram per stream, both phases
     assert_matches(results, rows, seg)
 
 
@@ -308,6 +309,32 @@ def test_a_lost_last_datagram_closes_after_the_grace() -> None:
     _, down = assert_matches(results, rows, seg)
     assert sorted(zip(*np.nonzero(~down))) == [(2, 1, last)]
     assert results[1][3].closed_by == ("complete", "final")
+
+
+def test_the_repeat_stands_in_for_a_lost_last_datagram() -> None:
+    """Rank 2's very last average to rank 1 is lost but its repeat arrives: rank 1 uses it and closes the phase
+    as complete, without waiting the grace (here longer than the round is allowed to take)."""
+    W, D = 4, 1000
+    rows = random_rows(W, D, seed=7)
+    with group(W, UdpOptions(datagram_bytes=SMALL.datagram_bytes, final_grace_s=60.0)) as exs:
+        seg = seg_len(exs[0], torch.float32)
+        last = math.ceil(block_sizes(D, W)[2] / seg) - 1
+        calls = []
+
+        def first_copy_lost(phase: int, block: int, k: int, dest: int) -> str | None:
+            if (phase, block, k, dest) != (2, 2, last, 1):
+                return None
+            calls.append(k)
+            return "drop" if len(calls) == 1 else None      # the original, not the repeat
+
+        exs[2].fault = first_copy_lost
+        results = run_round(exs, rows, 0, deadline_s=60.0)
+    assert calls == [last, last]
+    _, down = assert_matches(results, rows, seg)
+    assert down.all()
+    st = results[1][3]
+    assert st.closed_by == ("complete", "complete") and st.received == sum(st.expected) and st.rejected == 0
+    assert results[2][3].dropped_by_hook == 1
 
 
 def test_a_phase_closes_at_its_deadline() -> None:

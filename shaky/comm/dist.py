@@ -356,7 +356,8 @@ class UdpDistComm(DistComm):
         self._observed_now = False
         self.last_stats: ExchangeStats | None = None
         """The counters of the last exchange (this rank's)."""
-        self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "closed_by_deadline": 0}
+        self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "closed_by_deadline": 0,
+                        "repeated": 0}
         dist.barrier()
 
     @property
@@ -415,6 +416,7 @@ class UdpDistComm(DistComm):
         t["late"] += stats.late
         t["rejected"] += stats.rejected
         t["closed_by_deadline"] += sum(c == "deadline" for c in stats.closed_by)
+        t["repeated"] += stats.repeated
         if self._fixed_s is None:
             self._adaptive.observe_stats(stats)
         proposal = self._fixed_s or self._adaptive.propose()
@@ -446,7 +448,8 @@ class UdpDistComm(DistComm):
         t = dict(zip(names, (int(v) for v in total.tolist()), strict=True))
         out: dict[str, int | float] = {
             "datagrams_sent": t["sent"], "datagrams_received": t["received"], "datagrams_expected": t["expected"],
-            "late": t["late"], "rejected": t["rejected"], "phases_closed_by_deadline": t["closed_by_deadline"]}
+            "late": t["late"], "rejected": t["rejected"], "phases_closed_by_deadline": t["closed_by_deadline"],
+            "datagrams_repeated": t["repeated"]}
         for key, value in (before or {}).items():
             if key in out:
                 out[key] += int(value)

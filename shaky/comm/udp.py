@@ -14,7 +14,10 @@ transport that actually does so. One :class:`UdpExchange` per rank binds one UDP
 Nothing is ever resent. A phase closes when every expected datagram has arrived, when every sender's
 final datagrams have arrived (the rest were lost: one sender's datagrams travel in order, so nothing
 sent before them is still on the way; OptiReduce's early close), or at its deadline, whichever comes
-first. What arrived is reported as masks, which are the segment-level delivery masks of the simulator
+first. The very last datagram of each sender's stream to a receiver goes twice, the copy flagged as a
+repeat (and tagged as itself): it is the one that says "that was all", and when it is lost the receiver
+waits ``UdpOptions.final_grace_s`` for it (it may only be late); with the copy that happens with
+probability p^2 instead of p. A repeat whose original arrived is dropped without a count. What arrived is reported as masks, which are the segment-level delivery masks of the simulator
 (``LinkSample``) for this rank's links:
 
 - ``up_obs`` bool [W, S]: ``up_obs[i, k]`` = sender i's segment k reached this rank in phase 1, i.e. the
@@ -34,7 +37,8 @@ Datagrams (:data:`HEADER`, then the payload, then the tag)::
     2      1     version (1)
     3      1     phase (1: to the server, 2: the server's average)
     4      1     dtype (1 float16, 2 float32, 3 float64)
-    5      1     flags (bit 0: one of the sender's final datagrams to this receiver in this phase)
+    5      1     flags (bit 0: one of the sender's final datagrams to this receiver in this phase;
+                        bit 1: a repeat of the very last one, see below)
     6      2     sender rank
     8      8     run id
     16     8     round
@@ -103,6 +107,8 @@ TAG_BYTES = 16
 OVERHEAD_BYTES = HEADER.size + TAG_BYTES
 FLAG_FINAL = 1
 """Set on the sender's last ``FINAL_DATAGRAMS`` datagrams to a receiver in a phase."""
+FLAG_REPEAT = 2
+"""Set on the copy of the sender's very last datagram to a receiver in a phase (sent right after it)."""
 FINAL_DATAGRAMS = 4
 """How many datagrams at the end of each sender's stream say "that was all": the receiver may close the
 phase early once it has one of them from every sender; all of them are lost with probability p^4."""
@@ -209,7 +215,7 @@ class ExchangeStats:
     """What one :meth:`UdpExchange.block_average` call did (datagrams, not bytes)."""
 
     sent: int
-    """Datagrams this rank sent, both phases."""
+    """Datagrams this rank sent, both phases (not counting ``repeated``)."""
     received: int
     """Datagrams that arrived in time and were used."""
     late: int
@@ -232,6 +238,8 @@ class ExchangeStats:
     """Seconds from the start of phase 2 until it closed."""
     dropped_by_hook: int = 0
     """Datagrams the test-only ``fault`` hook dropped (not in ``sent``)."""
+    repeated: int = 0
+    """Copies of a stream's very last datagram this rank sent (see the module docstring)."""
 
 
 class AdaptiveDeadline:
@@ -533,7 +541,14 @@ class UdpExchange:
         if last_len:
             o, end = whole * size, whole * size + HEADER.size + last_len
             flat[end:end + TAG_BYTES] = self._mac.tag(flat[o:end])
-        return _Packed(flat, size, nseg, OVERHEAD_BYTES + last_len if last_len else size, phase, block)
+        last = OVERHEAD_BYTES + last_len if last_len else size
+        repeat = None
+        if rows[-1, 5] & FLAG_FINAL:        # the stream's very last datagram: its copy, flagged and tagged
+            copy = bytearray(flat[(nseg - 1) * size:(nseg - 1) * size + last])
+            copy[5] |= FLAG_REPEAT
+            copy[-TAG_BYTES:] = self._mac.tag(memoryview(copy)[:-TAG_BYTES])
+            repeat = bytes(copy)
+        return _Packed(flat, size, nseg, last, phase, block, repeat)
 
     def _send_all(self, jobs: list[tuple[int, int, _Packed]], state: _Round, *, phase: int) -> None:
         """Sends every job's datagrams, one batch per destination in turn, receiving between batches."""
@@ -559,6 +574,20 @@ class UdpExchange:
             active = still
 
     def _send_rows(self, packed: _Packed, first: int, count: int, dest: int, one_by_one: bool) -> None:
+        """Rows ``first`` to ``first + count`` to ``dest``, and the repeat after the last row."""
+        self._send_plain(packed, first, count, dest, one_by_one)
+        if packed.repeat is not None and first + count == packed.count:
+            k = packed.count - 1
+            fate = self.fault(packed.phase, packed.block, k, dest) if self.fault is not None else None
+            if fate == "drop":
+                self._st.dropped_by_hook += 1
+            elif fate == "hold":
+                self._delayed.append((packed.repeat, self._peers[dest]))
+            elif self._send_one(memoryview(packed.repeat), self._peers[dest]):
+                self._st.sent -= 1
+                self._st.repeated += 1
+
+    def _send_plain(self, packed: _Packed, first: int, count: int, dest: int, one_by_one: bool) -> None:
         addr = self._peers[dest]
         if self.fault is not None:
             fates = [self.fault(packed.phase, packed.block, k, dest) for k in range(first, first + count)]
@@ -600,12 +629,15 @@ class UdpExchange:
             a = k * packed.size
             self._send_one(packed.view[a:a + packed.length(k)], addr)
 
-    def _send_one(self, data: memoryview, addr: tuple[str, int]) -> None:
+    def _send_one(self, data: memoryview, addr: tuple[str, int]) -> bool:
+        """Sends one datagram; False where an ICMP error from an earlier datagram came back instead (that one
+        was lost; this one was not sent)."""
         try:
             self._retrying(lambda: self.sock.sendto(data, addr))
             self._st.sent += 1
+            return True
         except (ConnectionRefusedError, ConnectionResetError):
-            pass    # an ICMP error from an earlier datagram: that one is lost, this one may go
+            return False
 
     def _retrying(self, send: Callable[[], object]) -> None:
         """Sends, waiting for room in the send buffer (receiving meanwhile) when the kernel has none."""
@@ -766,7 +798,7 @@ class UdpExchange:
                 return
         h = HEADER.unpack_from(d, 0)
         if h[0] != MAGIC or h[1] != VERSION or h[10] != n - OVERHEAD_BYTES or h[2] not in PHASES or \
-                h[4] & ~FLAG_FINAL:
+                h[4] & ~(FLAG_FINAL | FLAG_REPEAT):
             self._reject("malformed")
             return
         if h[5] != peer:
@@ -806,8 +838,12 @@ class UdpExchange:
             self._reject("malformed")
             return
         dest, got, nseg = target
+        if flags & FLAG_REPEAT and not (flags & FLAG_FINAL and k == nseg - 1):
+            self._reject("malformed")       # only a stream's very last datagram is repeated
+            return
         if got[k]:
-            self._reject("duplicate")
+            if not flags & FLAG_REPEAT:     # a repeat whose original arrived: as expected, not counted
+                self._reject("duplicate")
             return
         got[k] = True
         if state is not cur or not state.is_open(phase):
@@ -1024,12 +1060,15 @@ class _Progress:
 
 
 class _Packed:
-    """One block's datagrams in one buffer: rows of ``size`` bytes, the last ``last`` bytes long."""
+    """One block's datagrams in one buffer: rows of ``size`` bytes, the last ``last`` bytes long; ``repeat``: the
+    flagged copy of the last row where it ends a stream (else None)."""
 
-    __slots__ = ("view", "size", "count", "last", "phase", "block")
+    __slots__ = ("view", "size", "count", "last", "phase", "block", "repeat")
 
-    def __init__(self, view: memoryview, size: int, count: int, last: int, phase: int, block: int) -> None:
+    def __init__(self, view: memoryview, size: int, count: int, last: int, phase: int, block: int,
+                 repeat: bytes | None) -> None:
         self.view, self.size, self.count, self.last, self.phase, self.block = view, size, count, last, phase, block
+        self.repeat = repeat
 
     def length(self, k: int) -> int:
         return self.last if k == self.count - 1 else self.size
@@ -1042,11 +1081,13 @@ class _Counters:
     late: int = 0
     rejected: int = 0
     dropped_by_hook: int = 0
+    repeated: int = 0
     rejected_by: dict[str, int] = field(default_factory=dict)
 
     def freeze(self, **timing) -> ExchangeStats:
         return ExchangeStats(sent=self.sent, received=self.received, late=self.late, rejected=self.rejected,
-                             rejected_by=dict(self.rejected_by), dropped_by_hook=self.dropped_by_hook, **timing)
+                             rejected_by=dict(self.rejected_by), dropped_by_hook=self.dropped_by_hook,
+                             repeated=self.repeated, **timing)
 
 
 # ------------------------------------------------------------------------------------------ helpers
