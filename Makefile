@@ -7,7 +7,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: demo test test-kill reproduce install clean
 
-$(BIN)/shaky: pyproject.toml
+$(BIN)/shaky: pyproject.toml setup.py shaky/comm/_fastpath.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@touch $@

@@ -10,6 +10,7 @@ observed masks with the drops that were injected.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import math
 import multiprocessing as mp
@@ -24,8 +25,8 @@ import pytest
 import torch
 
 from shaky.comm.base import block_sizes
-from shaky.comm.udp import (FINAL_DATAGRAMS, HEADER, OVERHEAD_BYTES, TAG_BYTES, AdaptiveDeadline, UdpExchange,
-                            UdpOptions, _Mac)
+from shaky.comm.udp import (FASTPATH, FINAL_DATAGRAMS, HEADER, OVERHEAD_BYTES, TAG_BYTES, AdaptiveDeadline,
+                            UdpExchange, UdpOptions, _Mac)
 
 KEY = bytes(range(32))
 RUN = 7
@@ -35,16 +36,24 @@ PORTS = range(42000, 43000)
 # at will a short grace could close a phase before a sender's final datagrams are all out.
 SMALL = UdpOptions(datagram_bytes=OVERHEAD_BYTES + 64, final_grace_s=5.0)
 ROUND_TIMEOUT_S = 30.0
+NOT_BUILT = "the compiled fast path (shaky/comm/_fastpath.c) was not built by this install"
+# The receive paths a test runs on: the compiled one (tags in C, recvmmsg, a batch placed with numpy) and
+# Python's (datagram by datagram); both must apply the same rules.
+NEEDS_BUILD = pytest.mark.skipif(FASTPATH is None, reason=NOT_BUILT)
+PATHS = [pytest.param(True, id="compiled", marks=NEEDS_BUILD), pytest.param(False, id="python")]
 
 
 @contextmanager
-def group(num_workers: int, options: UdpOptions = SMALL, key: bytes = KEY):
+def group(num_workers: int, options: UdpOptions = SMALL, key: bytes = KEY, compiled: bool | None = None):
+    if compiled is not None:
+        options = dataclasses.replace(options, compiled=compiled)
     with ExitStack() as stack:
         exs = [stack.enter_context(UdpExchange(rank=r, num_workers=num_workers, key=key, run_id=RUN,
                                                host="127.0.0.1", ports=PORTS, options=options))
                for r in range(num_workers)]
         for ex in exs:
             ex.connect([e.address for e in exs])
+            assert ex.info()["compiled"] == (options.compiled and FASTPATH is not None)
         yield exs
 
 
@@ -139,12 +148,14 @@ def assert_matches(results, rows, seg, *, weights=None, servers=None):
 
 # ------------------------------------------------------------------------------------------ zero loss
 
-@pytest.mark.parametrize("offload", [True, False], ids=["gso-gro", "one-datagram-a-call"])
+@pytest.mark.parametrize("compiled, offload", [pytest.param(True, True, id="compiled", marks=NEEDS_BUILD),
+                                                pytest.param(False, True, id="python-gso-gro"),
+                                                pytest.param(False, False, id="python-one-datagram-a-call")])
 @pytest.mark.parametrize("W", [2, 3, 4])
-def test_zero_loss_is_the_exact_mean(W: int, offload: bool) -> None:
+def test_zero_loss_is_the_exact_mean(W: int, compiled: bool, offload: bool) -> None:
     D = 1000
     rows = random_rows(W, D)
-    options = UdpOptions(datagram_bytes=SMALL.datagram_bytes, final_grace_s=5.0, offload=offload)
+    options = UdpOptions(datagram_bytes=SMALL.datagram_bytes, final_grace_s=5.0, offload=offload, compiled=compiled)
     with group(W, options) as exs:
         results = run_round(exs, rows, 0)
         seg = seg_len(exs[0], torch.float32)
@@ -205,11 +216,12 @@ def _install(exs, dropped, what: str = "drop") -> None:
         ex.fault = (lambda i: lambda phase, block, k, dest: what if dropped(i, phase, block, k, dest) else None)(i)
 
 
-def test_injected_loss_gives_the_rule_with_the_observed_masks() -> None:
+@pytest.mark.parametrize("compiled", PATHS)
+def test_injected_loss_gives_the_rule_with_the_observed_masks(compiled: bool) -> None:
     W, D = 4, 1000
     rows = random_rows(W, D, seed=3)
     weights = torch.tensor([1.0, 3.0, 2.0, 1.0])
-    with group(W) as exs:
+    with group(W, compiled=compiled) as exs:
         seg = seg_len(exs[0], torch.float32)
         nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
         dropped = _drop_rule(1, nseg)
@@ -229,12 +241,13 @@ def test_injected_loss_gives_the_rule_with_the_observed_masks() -> None:
     assert sum(res[3].dropped_by_hook for res in results) == (~want_up).sum() + (~want_down).sum()
 
 
-def test_float64_unequal_blocks_remapped_servers_and_loss() -> None:
+@pytest.mark.parametrize("compiled", PATHS)
+def test_float64_unequal_blocks_remapped_servers_and_loss(compiled: bool) -> None:
     W, D = 4, 4 * 256 + 1                  # blocks of 257, 256, 256, 256 values: 33, 32, 32, 32 segments of 8
     servers = [1, 1, 3, 2]                 # rank 1 serves two blocks, rank 0 none
     weights = [2.0, 1.0, 1.0, 3.0]
     rows = random_rows(W, D, dtype=torch.float64, seed=5)
-    with group(W) as exs:
+    with group(W, compiled=compiled) as exs:
         seg = seg_len(exs[0], torch.float64)
         nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
         assert seg == 8 and nseg == [33, 32, 32, 32]
@@ -418,13 +431,14 @@ def segment_payload(row: torch.Tensor, W: int, block: int, k: int, seg: int) -> 
     return row[start + k * seg:start + min((k + 1) * seg, n)].numpy().tobytes()
 
 
-def test_attacks_change_nothing_and_are_rejected() -> None:
+@pytest.mark.parametrize("compiled", PATHS)
+def test_attacks_change_nothing_and_are_rejected(compiled: bool) -> None:
     W, D = 4, 1000
     rounds = [random_rows(W, D, seed=10 + r) for r in range(3)]
-    with group(W) as exs:                         # the same three rounds without an attacker
+    with group(W, compiled=compiled) as exs:      # the same three rounds without an attacker
         baseline = [run_round(exs, rounds[r], r) for r in range(3)]
 
-    with group(W) as exs, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+    with group(W, compiled=compiled) as exs, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
         stranger.bind(("127.0.0.1", 0))
         seg = seg_len(exs[0], torch.float32)
         attacked = [run_round(exs, rounds[r], r) for r in range(2)]
@@ -544,6 +558,19 @@ def test_tag_is_hmac_sha256_truncated() -> None:
     assert _Mac(KEY).tags(buf, range(0, 300, 100), 84) == b"".join(
         hmac.digest(KEY, buf[o:o + 84], "sha256")[:16] for o in range(0, 300, 100))
     assert HEADER.size == 36 and struct.calcsize("<2sBBBBHQQIII") == 36
+
+
+@NEEDS_BUILD
+def test_compiled_tags_are_hmac_sha256_truncated() -> None:
+    mac = _Mac(KEY, compiled=True)
+    buf = np.frombuffer(os.urandom(5 * 100), np.uint8).copy()
+    want = [hmac.digest(KEY, buf[o:o + 84].tobytes(), "sha256")[:16] for o in range(0, 500, 100)]
+    assert mac.tags(memoryview(buf), range(0, 500, 100), 84) == b"".join(want)
+    rows = buf.reshape(5, 100)
+    lengths = np.array([0, 1, 63, 64, 100], np.uint32)
+    got = mac.tags_of(rows, lengths)
+    assert [bytes(t) for t in got] == [hmac.digest(KEY, rows[i, :n].tobytes(), "sha256")[:16]
+                                       for i, n in enumerate(lengths.tolist())]
 
 
 def test_adaptive_deadline() -> None:

@@ -1,0 +1,28 @@
+"""The one compiled part of shaky, optional: shaky/comm/_fastpath.c, the UDP data plane's per-datagram work
+(loaded with ctypes; shaky/comm/udp.py does the same in Python where it was not built). It needs a C compiler
+and OpenSSL's libcrypto with its headers (Debian: libssl-dev); without them the install goes on without it
+and says so."""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001 (any failure to build leaves the Python path)
+            self.warn(f"shaky: the UDP fast path (shaky/comm/_fastpath.c) was not built ({exc}); "
+                      "the data plane runs in Python")
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001
+            self.warn(f"shaky: the UDP fast path (shaky/comm/_fastpath.c) was not built ({exc}); "
+                      "the data plane runs in Python")
+
+
+setup(ext_modules=[Extension("shaky.comm._fastpath", ["shaky/comm/_fastpath.c"], libraries=["crypto"],
+                             extra_compile_args=["-O2"], optional=True)],
+      cmdclass={"build_ext": OptionalBuildExt})
