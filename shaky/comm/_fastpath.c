@@ -10,6 +10,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <openssl/crypto.h>
 #include <openssl/sha.h>
 #include <stdint.h>
 #include <string.h>
@@ -88,4 +89,35 @@ int shaky_recv(int fd, uint8_t *buf, size_t stride, int max, uint32_t *lengths, 
             addrs[i] = 0;
     }
     return n;
+}
+
+/* Which datagrams of a receive batch take the fast path: full-size, this run's and round's, from the address of
+ * the sender their header names, of the round's dtype and payload, flags 0 or final, phase 1 or 2, and a tag
+ * that verifies. For each row: ok[i] (1 or 0), and for ok rows group[i] = (phase * W + block) * W + sender,
+ * seg[i] the segment index, final[i] the final flag. Returns the number of ok rows. */
+int shaky_check(const shaky_mac *m, const uint8_t *rows, size_t stride, const uint32_t *lengths,
+                const uint64_t *addrs, int n, uint32_t size, uint64_t run, uint64_t round, uint8_t dtype,
+                uint32_t payload, const uint64_t *peer_keys, uint32_t W, uint8_t *ok, uint32_t *group,
+                uint32_t *seg, uint8_t *final) {
+    int count = 0;
+    uint8_t tag[SHAKY_TAG_BYTES];
+    for (int i = 0; i < n; i++) {
+        const uint8_t *r = rows + (size_t)i * stride;
+        ok[i] = 0;
+        if (lengths[i] != size || r[0] != 'S' || r[1] != 'K' || r[2] != 1 || (r[3] != 1 && r[3] != 2)
+            || r[4] != dtype || (r[5] & ~1u) != 0) continue;
+        uint16_t sender; uint64_t hrun, hround; uint32_t block, k, len;
+        memcpy(&sender, r + 6, 2); memcpy(&hrun, r + 8, 8); memcpy(&hround, r + 16, 8);
+        memcpy(&block, r + 24, 4); memcpy(&k, r + 28, 4); memcpy(&len, r + 32, 4);
+        if (hrun != run || hround != round || len != payload || sender >= W || block >= W
+            || addrs[i] == 0 || addrs[i] != peer_keys[sender]) continue;
+        shaky_tags(m, r, 0, NULL, size - SHAKY_TAG_BYTES, 1, tag);
+        if (CRYPTO_memcmp(tag, r + size - SHAKY_TAG_BYTES, SHAKY_TAG_BYTES) != 0) continue;
+        ok[i] = 1;
+        group[i] = ((uint32_t)r[3] * W + block) * W + sender;
+        seg[i] = k;
+        final[i] = r[5] & 1u;
+        count++;
+    }
+    return count;
 }

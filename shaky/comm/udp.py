@@ -165,6 +165,9 @@ def _load_fastpath() -> ctypes.CDLL | None:
     lib.shaky_tags.argtypes, lib.shaky_tags.restype = [p, p, size, p, size, size, p], None
     lib.shaky_recv.argtypes = [ctypes.c_int, p, size, ctypes.c_int, p, p]
     lib.shaky_recv.restype = ctypes.c_int
+    lib.shaky_check.argtypes = [p, p, size, p, p, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64,
+                                ctypes.c_uint8, ctypes.c_uint32, p, ctypes.c_uint32, p, p, p, p]
+    lib.shaky_check.restype = ctypes.c_int
     return lib
 
 
@@ -440,6 +443,10 @@ class UdpExchange:
             self._baddrs = np.empty(RECV_BATCH, np.uint64)
             self._bargs = (self.sock.fileno(), self._batch.ctypes.data, options.datagram_bytes, RECV_BATCH,
                            self._blens.ctypes.data, self._baddrs.ctypes.data)
+            self._bok = np.empty(RECV_BATCH, np.uint8)
+            self._bgroup = np.empty(RECV_BATCH, np.uint32)
+            self._bseg = np.empty(RECV_BATCH, np.uint32)
+            self._bfinal = np.empty(RECV_BATCH, np.uint8)
         self._peer_keys = np.zeros(0, np.uint64)
         self._buffers: dict[object, np.ndarray] = {}
         self._cur: _Round | None = None
@@ -817,48 +824,39 @@ class UdpExchange:
         rows, lens, addrs = self._batch[:n], self._blens[:n], self._baddrs[:n]
         state = self._cur
         fast = np.zeros(n, bool)
-        if state is not None:
-            size = OVERHEAD_BYTES + state.payload
-            hdr = rows[:, :HEADER.size].copy().view(_HEADER_DTYPE)[:, 0]
-            peer = np.argmax(addrs[:, None] == self._peer_keys[None, :], axis=1)
-            cand = ((lens == size) & (hdr["magic"] == MAGIC) & (hdr["version"] == VERSION)
-                    & (hdr["dtype"] == state.dtcode) & ((hdr["flags"] | FLAG_FINAL) == FLAG_FINAL)
-                    & (hdr["run"] == self.run_id) & (hdr["round"] == state.round)
-                    & (hdr["length"] == state.payload) & (addrs != 0)
-                    & (addrs == self._peer_keys[peer]) & (hdr["sender"] == peer))
-            if cand.any():
-                idx = np.flatnonzero(cand)
-                ours = self._mac.tags_of(rows, np.where(cand, size - TAG_BYTES, 0).astype(np.uint32))
-                good = (ours[idx] == rows[idx, size - TAG_BYTES:size]).all(1)
-                idx = idx[good]
-                W = self.num_workers
-                group = (hdr["phase"][idx].astype(np.int64) * W + hdr["block"][idx]) * W + hdr["sender"][idx]
-                for g in np.unique(group):
-                    mine = idx[group == g]
-                    phase, block, sender = int(hdr["phase"][mine[0]]), int(hdr["block"][mine[0]]), int(peer[mine[0]])
-                    if phase not in PHASES:
-                        continue
-                    target = state.target(phase, block, sender)
-                    if target is None or target[0] is None:
-                        continue
-                    dest, got, nseg = target
-                    ks = hdr["seg"][mine].astype(np.int64)
-                    whole = nseg if state.seg_bytes(block, nseg - 1) == state.payload else nseg - 1
+        if state is not None and FASTPATH.shaky_check(
+                self._mac._cp, rows.ctypes.data, rows.shape[1], lens.ctypes.data, addrs.ctypes.data, n,
+                OVERHEAD_BYTES + state.payload, self.run_id, state.round, state.dtcode, state.payload,
+                self._peer_keys.ctypes.data, self.num_workers, self._bok.ctypes.data, self._bgroup.ctypes.data,
+                self._bseg.ctypes.data, self._bfinal.ctypes.data):
+            W, psize = self.num_workers, state.payload
+            idx = np.flatnonzero(self._bok[:n])
+            groups = self._bgroup[idx]
+            for g in set(groups.tolist()):
+                mine = idx if len(idx) == 1 or (groups == g).all() else idx[groups == g]
+                phase, block, sender = g // (W * W), g // W % W, g % W
+                target = state.target(phase, block, sender)
+                if target is None or target[0] is None:
+                    continue
+                dest, got, nseg = target
+                whole = nseg if state.seg_bytes(block, nseg - 1) == psize else nseg - 1
+                ks = self._bseg[mine].astype(np.int64)
+                if len(ks) > 1:
                     ks, first = np.unique(ks, return_index=True)     # a repeat within the batch: one by one
                     mine = mine[first]
-                    ok = ks < whole
-                    ok[ok] = ~got[ks[ok]]
+                ok = ks < whole
+                ok[ok] = ~got[ks[ok]]
+                if not ok.all():
                     ks, mine = ks[ok], mine[ok]
                     if not ks.size:
                         continue
-                    psize = state.payload
-                    dest[:whole * psize].reshape(whole, psize)[ks] = rows[mine, HEADER.size:HEADER.size + psize]
-                    got[ks] = True
-                    final = (hdr["flags"][mine] & FLAG_FINAL) != 0
-                    state.progress[phase].arrived(sender, int(ks.size), final=bool(final.any()),
-                                                  last=bool((final & (ks == nseg - 1)).any()))
-                    self._st.received += int(ks.size)
-                    fast[mine] = True
+                dest[:whole * psize].reshape(whole, psize)[ks] = rows[mine, HEADER.size:HEADER.size + psize]
+                got[ks] = True
+                final = self._bfinal[mine] != 0
+                state.progress[phase].arrived(sender, int(ks.size), final=bool(final.any()),
+                                              last=bool((final & (ks == nseg - 1)).any()))
+                self._st.received += int(ks.size)
+                fast[mine] = True
         for i in np.flatnonzero(~fast).tolist():
             length, a = int(lens[i]), int(addrs[i])
             if length > rows.shape[1]:
