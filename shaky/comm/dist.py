@@ -297,7 +297,8 @@ class UdpDistComm(DistComm):
     def __init__(self, *, deadline_ms: float | None = None, key: bytes | None = None, ports: range | None = None,
                  host: str | None = None, options: UdpOptions | None = None, heartbeat: bool = False,
                  announce: bool = True) -> None:
-        """``deadline_ms``: a fixed phase deadline (None: adaptive, 1 s for the first round). ``key``: 32 bytes
+        """``deadline_ms``: a fixed phase deadline (None: adaptive; the first round, with no history, gets
+        :func:`first_deadline_s` of its row). ``key``: 32 bytes
         (``load_key``); None: rank 0 makes one for this run and hands it out through the store, and every
         rank says so on stderr (``announce``). ``ports``: the range a rank binds the first free port of.
         ``host``: this rank's address as the others reach it (None: ``local_address()``).
@@ -357,7 +358,7 @@ class UdpDistComm(DistComm):
         self.last_stats: ExchangeStats | None = None
         """The counters of the last exchange (this rank's)."""
         self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "closed_by_deadline": 0,
-                        "repeated": 0}
+                        "repeated": 0, "grace_s": 0.0}
         dist.barrier()
 
     @property
@@ -405,8 +406,11 @@ class UdpDistComm(DistComm):
                              f"(set network.segment_bytes = {self.segment_bytes})")
         # ``overwrite`` is allowed, not required: the result is a fresh tensor (``x`` supplies the segments
         # whose average was lost while the result is received).
+        deadline = self._deadline_s
+        if self._fixed_s is None and self._round == 0:
+            deadline = max(deadline, first_deadline_s(x[0].numel() * x.element_size()))
         new, up_obs, down_obs, stats = self.exchange.block_average(
-            x[0].contiguous(), self._round, deadline_s=self._deadline_s, weights=weights, servers=servers)
+            x[0].contiguous(), self._round, deadline_s=deadline, weights=weights, servers=servers)
         self._round += 1
         self.last_stats = stats
         t = self._totals
@@ -417,6 +421,7 @@ class UdpDistComm(DistComm):
         t["rejected"] += stats.rejected
         t["closed_by_deadline"] += sum(c == "deadline" for c in stats.closed_by)
         t["repeated"] += stats.repeated
+        t["grace_s"] += stats.grace_s
         if self._fixed_s is None:
             self._adaptive.observe_stats(stats)
         proposal = self._fixed_s or self._adaptive.propose()
@@ -445,17 +450,28 @@ class UdpDistComm(DistComm):
         names = list(self._totals)
         total = torch.tensor([float(self._totals[k]) for k in names], dtype=torch.float64)
         dist.all_reduce(total)
-        t = dict(zip(names, (int(v) for v in total.tolist()), strict=True))
+        t = dict(zip(names, (v if k.endswith("_s") else int(v) for k, v in zip(names, total.tolist())), strict=True))
         out: dict[str, int | float] = {
             "datagrams_sent": t["sent"], "datagrams_received": t["received"], "datagrams_expected": t["expected"],
             "late": t["late"], "rejected": t["rejected"], "phases_closed_by_deadline": t["closed_by_deadline"],
-            "datagrams_repeated": t["repeated"]}
+            "datagrams_repeated": t["repeated"], "grace_wait_s": round(t["grace_s"], 6)}
         for key, value in (before or {}).items():
             if key in out:
-                out[key] += int(value)
+                out[key] += value if key.endswith("_s") else int(value)
         expected = out["datagrams_expected"]
         out["observed_loss"] = 1 - out["datagrams_received"] / expected if expected else 0.0
         return out
+
+
+FIRST_DEADLINE_S = 1.0
+FIRST_DEADLINE_S_PER_MB = 0.1
+
+
+def first_deadline_s(row_bytes: int) -> float:
+    """The adaptive deadline's first round, which has no earlier rounds to learn from: 1 s plus 0.1 s per MB
+    of the row (a 1e7-value float32 row: 5 s), so that a large model's first phases are not closed while
+    most of their datagrams are still on the way. A phase that completes does not wait for it."""
+    return FIRST_DEADLINE_S + FIRST_DEADLINE_S_PER_MB * row_bytes / 1e6
 
 
 def udp_comm(settings: DistConfig, *, heartbeat: bool = False) -> UdpDistComm:

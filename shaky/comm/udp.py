@@ -304,6 +304,9 @@ class ExchangeStats:
     """Datagrams the test-only ``fault`` hook dropped (not in ``sent``)."""
     repeated: int = 0
     """Copies of a stream's very last datagram this rank sent (see the module docstring)."""
+    grace_s: float = 0.0
+    """Seconds the phases waited in ``UdpOptions.final_grace_s`` (a sender's very last datagram and its
+    repeat missing while its other final datagrams were in), both phases."""
 
 
 class AdaptiveDeadline:
@@ -757,13 +760,18 @@ class UdpExchange:
         ("deadline"); returns which."""
         progress = state.progress[phase]
         self._drain()
-        grace_until = None
+        grace_from = grace_until = None
         while True:
             if progress.pending == 0:
+                if grace_from is not None:
+                    self._st.grace_s += time.perf_counter() - grace_from
                 return "complete" if progress.missing() == 0 else "final"
             if progress.unsettled == 0 and grace_until is None:
-                grace_until = time.perf_counter() + self.options.final_grace_s
+                grace_from = time.perf_counter()
+                grace_until = grace_from + self.options.final_grace_s
             now = time.perf_counter()
+            if grace_from is not None and (now >= grace_until or now >= deadline):
+                self._st.grace_s += now - grace_from
             if grace_until is not None and now >= grace_until:
                 return "final"
             if now >= deadline:
@@ -1228,12 +1236,13 @@ class _Counters:
     rejected: int = 0
     dropped_by_hook: int = 0
     repeated: int = 0
+    grace_s: float = 0.0
     rejected_by: dict[str, int] = field(default_factory=dict)
 
     def freeze(self, **timing) -> ExchangeStats:
         return ExchangeStats(sent=self.sent, received=self.received, late=self.late, rejected=self.rejected,
                              rejected_by=dict(self.rejected_by), dropped_by_hook=self.dropped_by_hook,
-                             repeated=self.repeated, **timing)
+                             repeated=self.repeated, grace_s=self.grace_s, **timing)
 
 
 # ------------------------------------------------------------------------------------------ helpers
