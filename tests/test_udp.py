@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+import shaky.comm.udp as udp_module
 from shaky.comm.base import block_sizes
 from shaky.comm.udp import (FASTPATH, FINAL_DATAGRAMS, HEADER, OVERHEAD_BYTES, TAG_BYTES, AdaptiveDeadline,
                             UdpExchange, UdpOptions, _Mac)
@@ -53,7 +54,7 @@ def group(num_workers: int, options: UdpOptions = SMALL, key: bytes = KEY, compi
                for r in range(num_workers)]
         for ex in exs:
             ex.connect([e.address for e in exs])
-            assert ex.info()["compiled"] == (options.compiled and FASTPATH is not None)
+            assert ex.info()["compiled"] == (options.compiled and udp_module.FASTPATH is not None)
         yield exs
 
 
@@ -559,6 +560,22 @@ def test_tag_is_hmac_sha256_truncated() -> None:
     assert _Mac(KEY).tags(buf, range(0, 300, 100), 84) == b"".join(
         hmac.digest(KEY, buf[o:o + 84], "sha256")[:16] for o in range(0, 300, 100))
     assert HEADER.size == 36 and struct.calcsize("<2sBBBBHQQIII") == 36
+
+
+def test_a_run_without_the_compiled_path_is_told(monkeypatch) -> None:
+    monkeypatch.setattr(udp_module, "FASTPATH", None)
+    line = udp_module.python_path_warning(UdpOptions())
+    assert line is not None and "_fastpath.c" in line and "libssl-dev" in line
+    assert udp_module.python_path_warning(UdpOptions(compiled=False)) is None   # asked for Python: nothing to say
+    with group(2) as exs:                                                    # and the exchange runs in Python
+        assert not any(ex.info()["compiled"] for ex in exs)
+        results = run_round(exs, random_rows(2, 100), 0)
+    assert all(res[3].received == sum(res[3].expected) for res in results)
+
+
+@NEEDS_BUILD
+def test_the_compiled_path_is_silent() -> None:
+    assert udp_module.python_path_warning(UdpOptions()) is None
 
 
 @NEEDS_BUILD

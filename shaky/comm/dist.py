@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shaky.comm.base import Done, block_sizes
-from shaky.comm.udp import AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions
+from shaky.comm.udp import AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, python_path_warning
 from shaky.config import DistConfig
 from shaky.network.model import LinkSample
 
@@ -478,10 +478,14 @@ def udp_comm(settings: DistConfig, *, heartbeat: bool = False) -> UdpDistComm:
     """The udp transport's comm for the ``[dist]`` settings, built by every rank together (a collective):
     ``shaky train --transport udp`` and ``RPSAverager(transport="udp")`` both start it here. A key file that
     one rank cannot read, a rank with no free port or keys that differ raise the same ValueError on every rank."""
-    return UdpDistComm(deadline_ms=None if settings.deadline_ms == "adaptive" else float(settings.deadline_ms),
+    options = UdpOptions(datagram_bytes=settings.datagram_bytes, send_rate_mbps=settings.send_rate_mbps or None)
+    comm = UdpDistComm(deadline_ms=None if settings.deadline_ms == "adaptive" else float(settings.deadline_ms),
                        key=agreed_key(settings.key_file), ports=settings.port_range(), host=settings.host or None,
-                       heartbeat=heartbeat, options=UdpOptions(datagram_bytes=settings.datagram_bytes,
-                                                               send_rate_mbps=settings.send_rate_mbps or None))
+                       heartbeat=heartbeat, options=options)
+    warning = python_path_warning(options)
+    if warning and comm.rank == 0:
+        print(f"shaky: warning: {warning}", file=sys.stderr, flush=True)
+    return comm
 
 
 def init_from_env(timeout_s: float) -> None:

@@ -177,6 +177,16 @@ RECV_BATCH = 64
 """Datagrams one ``recvmmsg`` call takes at most (the compiled path)."""
 
 
+def python_path_warning(options: UdpOptions) -> str | None:
+    """One line for a run whose data plane falls back to Python because the install did not build the compiled
+    path (None when it uses it, or was told not to)."""
+    if options.compiled and FASTPATH is None:
+        return ("the udp fast path (shaky/comm/_fastpath.c) was not built by this install: the data plane runs "
+                "in Python, about half as fast (install a C compiler and OpenSSL's headers, e.g. apt-get install "
+                "gcc libssl-dev, then reinstall shaky)")
+    return None
+
+
 class _Mac:
     """HMAC-SHA256 (RFC 2104) of a datagram, truncated to 16 bytes.
 
