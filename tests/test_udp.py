@@ -157,9 +157,19 @@ def test_zero_loss_is_the_exact_mean(W: int, compiled: bool, offload: bool) -> N
     D = 1000
     rows = random_rows(W, D)
     options = UdpOptions(datagram_bytes=SMALL.datagram_bytes, final_grace_s=5.0, offload=offload, compiled=compiled)
-    with group(W, options) as exs:
+    one_by_one: dict[int, int] = {}         # datagrams each rank handled one at a time
+    original = UdpExchange._on_datagram
+
+    def counted(self, d, addr, peer):
+        one_by_one[self.rank] = one_by_one.get(self.rank, 0) + 1
+        return original(self, d, addr, peer)
+
+    with group(W, options) as exs, pytest.MonkeyPatch.context() as mp_:
+        mp_.setattr(UdpExchange, "_on_datagram", counted)
         results = run_round(exs, rows, 0)
         seg = seg_len(exs[0], torch.float32)
+    if compiled:    # the batch path placed all but each stream's short last segment and its repeat
+        assert all(one_by_one.get(r, 0) <= 2 * 2 * (W - 1) for r in range(W)), one_by_one
     mean = torch.stack(rows).mean(0)
     nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
     for r, (new, up_obs, down_obs, stats) in enumerate(results):

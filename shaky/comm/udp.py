@@ -851,10 +851,10 @@ class UdpExchange:
             idx = np.flatnonzero(self._bok[:n])
             groups = self._bgroup[idx]
             for g in set(groups.tolist()):
-                mine = idx if len(idx) == 1 or (groups == g).all() else idx[groups == g]
+                mine = idx[groups == g]
                 phase, block, sender = g // (W * W), g // W % W, g % W
                 target = state.target(phase, block, sender)
-                if target is None or target[0] is None:
+                if target is None:
                     continue
                 dest, got, nseg = target
                 whole = nseg if state.seg_bytes(block, nseg - 1) == psize else nseg - 1
