@@ -295,7 +295,8 @@ class ModelAverager:
                 if isinstance(self.comm, UdpDistComm):
                     avg = self.comm.block_average(v, rnd.links.up, rnd.links.down,
                                                   segment_bytes=self.comm.segment_bytes)
-                    st = StepStats(block_exchange_traffic(v, self.comm.num_workers, self.comm.observed,
+                    (_, seen), = self.comm.take_observed()
+                    st = StepStats(block_exchange_traffic(v, self.comm.num_workers, seen,
                                                           self.members, reliable=False))
                 else:
                     avg, _, st = self.exchange(v, self.comm, rnd, ())

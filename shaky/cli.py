@@ -266,7 +266,11 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         if dist.get_world_size() != cfg.num_workers:
             raise BadInput(f"num_workers is {cfg.num_workers} but torchrun started {dist.get_world_size()} "
                            "processes; they must match (one worker per process)")
-        comm = udp_comm(cfg.dist, heartbeat=True) if cfg.dist.transport == "udp" else DistComm(heartbeat=True)
+        if cfg.dist.transport == "udp":   # a lane for each exchange a delay keeps in flight
+            comm = udp_comm(cfg.dist, heartbeat=True, lanes=setup.strategy.exchange.schedule.slots,
+                            latency_ms=setup.network.latency_ms.tolist())
+        else:
+            comm = DistComm(heartbeat=True)
     except ValueError as exc:    # udp: a key file, a port or the keys (on every rank alike)
         dist.destroy_process_group()
         raise BadInput(str(exc)) from None

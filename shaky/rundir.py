@@ -265,6 +265,10 @@ class Counters:
     train_loss_count: int = 0
     comm_rounds: int = 0
     rounds_to_target: int = -1
+    wait_s: float = 0.0
+    """Wall seconds the workers spent blocked waiting for exchanges (rank 0's)."""
+    sim_wait_s: float = 0.0
+    """The simulated clock's seconds of waiting for exchanges (the same quantity, predicted)."""
     transport: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What a real lossy transport counted up to the checkpoint (``Comm.transport_stats``; empty on gloo and
     the simulator)."""
@@ -368,6 +372,11 @@ class Summary:
     """The trace whose delivery masks were replayed (network.trace), as an absolute path; "" if none."""
     transport: str = ""
     """dist backend: the data plane (dist.transport, gloo or udp); "" on the simulator."""
+    wait_s: float | None = None
+    """Wall seconds rank 0 spent blocked waiting for exchanges still in flight (the dist backend; None on the
+    simulator, whose exchanges are not waited for)."""
+    sim_wait_s: float = 0.0
+    """The simulated clock's prediction of the same: seconds a step waited for an exchange past its compute."""
     udp: dict[str, Any] | None = None
     """dist.transport udp: the datagrams of the run, every rank's summed (sent, received, the observed loss
     rate 1 - received / expected, late, rejected, phases closed by their deadline); None otherwise."""
@@ -395,7 +404,9 @@ class Summary:
             measured_drop_rate=(counters.messages_dropped / counters.messages_sent if counters.messages_sent
                                 else None),
             trace=str(Path(cfg.network.trace).resolve()) if cfg.network.trace else "",
-            transport=cfg.dist.transport if cfg.backend == "dist" else "", udp=udp or None)
+            transport=cfg.dist.transport if cfg.backend == "dist" else "", udp=udp or None,
+            wait_s=round(counters.wait_s, 6) if cfg.backend == "dist" else None,
+            sim_wait_s=round(counters.sim_wait_s, 6))
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values; a number that is not finite (a diverged run's loss) becomes None, since

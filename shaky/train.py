@@ -27,7 +27,7 @@ from shaky.inject import FaultInjector, InterruptedRun
 from shaky.interrupt import SignalWatch, Stopped
 from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule, Round
-from shaky.network.model import MaskLog, TraceNetwork, load_trace, save_trace
+from shaky.network.model import LinkSample, MaskLog, TraceNetwork, load_trace, save_trace
 from shaky.progress import Progress
 from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, append_metrics, create, load_checkpoint,
                           load_run_config, new_run_dir, read_metrics, save_checkpoint, truncate_metrics)
@@ -109,7 +109,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     batch_mask = sampler.mask.to(setup.dtype)
     members = FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps, sample_weights(cfg))
     clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms)
-    masks = MaskLog(cfg.num_workers, cfg.steps)
+    masks = _Masks(MaskLog(cfg.num_workers, cfg.steps), observing=_observes_losses(cfg))
     params, state, counters = _start(setup, run_dir, comm, clock, masks, resume=resume, writer=writer)
     t_start = time.perf_counter()
     bar = Progress(cfg.steps, counters.step, label, progress and writer)
@@ -130,7 +130,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
 
 
 def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Tensor, members: FailureSchedule,
-          clock: Clock, masks: MaskLog, params: torch.Tensor, state: Any, counters: Counters, metrics: _Metrics,
+          clock: Clock, masks: _Masks, params: torch.Tensor, state: Any, counters: Counters, metrics: _Metrics,
           bar: Progress, faults: FaultInjector | None, signals: SignalWatch) -> tuple[torch.Tensor, Any]:
     """The steps from ``counters.step`` to the end (or to a stop on a signal, which raises Stopped)."""
     cfg, strategy, rank, rows = setup.cfg, setup.strategy, getattr(comm, "rank", 0), comm.rows.tolist()
@@ -150,16 +150,15 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         idx = sampler.indices(step)
         params, state, stats, losses, grads = train_step(setup.grad_fn, strategy, params, state, x_train[idx],
                                                          y_train[idx], batch_mask, comm, rnd, need_grads=evaluating)
-        links = comm.delivered(rnd.links)   # a real lossy transport's observed masks, else the drawn ones
-        masks.append(links)
-        if links is not rnd.links:
-            stats = observed(stats, rnd.links, links)
+        masks.record(step, rnd.links, stats, counters)
+        masks.settle(comm, counters)
 
         counters.step = step + 1
         counters.sim_time_s = clock.advance(stats.phases, stats.delay)
+        counters.sim_wait_s += clock.last_wait_s
+        counters.wait_s = metrics.wait_before + comm.wait_s
         counters.bytes_sent += stats.bytes_sent
         counters.messages_sent += stats.messages_sent
-        counters.messages_dropped += stats.messages_dropped
         counters.comm_rounds += 1 if stats.phases else 0
         live_weights = None if rnd.members.all_live else rnd.members.live.to(params.dtype)
         counters.train_loss_sum += float(comm.mean(losses.detach()[:, None], live_weights)[0, 0])
@@ -199,7 +198,7 @@ def _stop_requested(signals: SignalWatch, comm: Comm) -> int | None:
     return (mine or int(signal.SIGTERM)) if anyone else None
 
 
-def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: MaskLog, *, resume: bool,
+def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: _Masks, *, resume: bool,
            writer: bool) -> tuple[torch.Tensor, Any, Counters]:
     """The parameters, strategy state and counters to start from: fresh, or from the checkpoint."""
     cfg, rows = setup.cfg, comm.rows.tolist()
@@ -213,7 +212,7 @@ def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: MaskLog
         clock.state = ckpt.get("clock") or ClockState(counters.step, counters.sim_time_s, counters.sim_time_s)
         recorded = _recorded_masks(setup, run_dir, counters.step) if _observes_losses(cfg) else setup.network
         for r in range(counters.step):
-            masks.append(recorded.sample(r))
+            masks.log.append(recorded.sample(r))
         if writer:
             truncate_metrics(run_dir, counters.step)
         return ckpt["params"][rows], map_rows(ckpt["state"], lambda t: t[rows]), counters
@@ -227,24 +226,56 @@ def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: MaskLog
 
 
 def _checkpoint(setup: Setup, run_dir: Path, comm: Comm, params: torch.Tensor, state: Any, counters: Counters,
-                clock: Clock, masks: MaskLog, writer: bool, t_start: float, *, trace: bool,
+                clock: Clock, masks: _Masks, writer: bool, t_start: float, *, trace: bool,
                 transport_before: dict[str, Any]) -> None:
     """Gathers every worker's rows (a collective on the dist backend) and writes the checkpoint, and with
     ``trace`` the delivery trace (a resume draws the masks again from the seed, so the periodic checkpoints
     skip it: it grows with the run, and writing it every time would make checkpoints quadratic)."""
+    # Gathering the state waits for the exchanges still in flight: their masks and losses are then known.
     full_params, full_state = comm.gather(params), map_rows(state, comm.gather)
+    masks.settle(comm, counters)
     observed = _observes_losses(setup.cfg)
     if observed:
         counters.transport = comm.transport_stats(transport_before)
     if writer and observed:   # first: a checkpoint always has the masks of the rounds before it
-        save_trace(run_dir, masks.packed(), setup.cfg.num_workers)
+        save_trace(run_dir, masks.log.packed(), setup.cfg.num_workers)
     if writer:
         save_checkpoint(run_dir, {
             "params": full_params, "state": full_state, "config": to_dict(setup.cfg), "clock": clock.state,
             "compute_ms": setup.compute_ms,
             "counters": {**vars(counters), "wall_time_s": counters.wall_time_s + time.perf_counter() - t_start}})
         if trace and not observed:
-            save_trace(run_dir, masks.packed(), setup.cfg.num_workers)
+            save_trace(run_dir, masks.log.packed(), setup.cfg.num_workers)
+
+
+class _Masks:
+    """The delivery masks of every step, for the run's trace, and the losses they count.
+
+    A step records the masks drawn for it; on a transport that observes its losses (udp) they are replaced by
+    what arrived once the step's exchange completes, which for an exchange running in the background is steps
+    later (``Comm.take_observed``), and only then are its lost messages counted.
+    """
+
+    def __init__(self, log: MaskLog, *, observing: bool) -> None:
+        self.log, self.observing = log, observing
+        self._launched: dict[int, tuple[StepStats, LinkSample]] = {}
+
+    def record(self, step: int, drawn: LinkSample, stats: StepStats, counters: Counters) -> None:
+        self.log.append(drawn)
+        if not self.observing:
+            counters.messages_dropped += stats.messages_dropped
+        elif any(not p.reliable for p in stats.phases):     # a lossy exchange: counted when it completes
+            self._launched[step] = (stats, drawn)
+        else:                                                 # a reliable one (gloo) loses nothing
+            counters.messages_dropped += stats.messages_dropped
+
+    def settle(self, comm: Comm, counters: Counters) -> None:
+        """Takes in the observed masks of the exchanges that completed since the last call."""
+        for step, seen in comm.take_observed():
+            self.log.put(step, seen)
+            launched = self._launched.pop(step, None)
+            if launched is not None:
+                counters.messages_dropped += observed(launched[0], launched[1], seen).messages_dropped
 
 
 def _observes_losses(cfg: RunConfig) -> bool:
@@ -268,6 +299,8 @@ class _Metrics:
         self.setup, self.members, self.comm, self.run_dir = setup, members, comm, run_dir
         self.bar, self.writer, self.counters, self.t_start = bar, writer, counters, t_start
         self.transport_before = dict(counters.transport)
+        self.wait_before = counters.wait_s
+        """Seconds waited for exchanges up to the checkpoint this run resumed from."""
         """The real transport's counts up to the checkpoint this run resumed from (empty: a fresh run)."""
         self.held = [set(s.tolist()) for s in setup.shards] if setup.cfg.failures else None
         self.last: dict[str, Any] | None = None

@@ -74,6 +74,8 @@ class Comm(Protocol):
     """W, the number of workers in the whole run."""
     rows: torch.Tensor
     """int64 [w]: the global worker index of each local row."""
+    wait_s: float
+    """Seconds spent blocked waiting for exchanges (0 where they complete at once, as in the simulator)."""
 
     def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Exact average over all W workers (a reliable all-reduce), returned on every local row.
@@ -87,9 +89,10 @@ class Comm(Protocol):
         """Called before each step: the dist backend records progress there (for failure reports)."""
         ...
 
-    def delivered(self, links: LinkSample) -> LinkSample:
-        """The delivery masks that applied to this step's exchange: ``links`` (drawn from the network model)
-        on the simulator and on gloo; what really arrived on a transport that loses packets (udp)."""
+    def take_observed(self) -> list[tuple[int, LinkSample]]:
+        """The masks a real lossy transport (udp) observed for the exchanges that completed since the last call,
+        each with the step that launched it (a background exchange completes steps later); empty where the
+        masks are drawn (the simulator, gloo), since the drawn ones are what applied."""
         ...
 
     def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:

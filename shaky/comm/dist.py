@@ -22,6 +22,8 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,11 +43,14 @@ HEARTBEAT_S = 0.25
 class _Reduced:
     """An all-reduce in flight; ``wait`` gives the mean."""
 
-    def __init__(self, work: dist.Work, total: torch.Tensor, denominator: torch.Tensor | float) -> None:
-        self._work, self._total, self._denominator = work, total, denominator
+    def __init__(self, comm: DistComm, work: dist.Work, total: torch.Tensor,
+                 denominator: torch.Tensor | float) -> None:
+        self._comm, self._work, self._total, self._denominator = comm, work, total, denominator
 
     def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
         self._work.wait()
+        self._comm.wait_s += time.perf_counter() - t0
         return self._total / self._denominator
 
 
@@ -62,6 +67,8 @@ class DistComm:
         self.rows = torch.tensor([self.rank])
         self._store = dist.distributed_c10d._get_default_store()
         self._buffers: dict[str, torch.Tensor] = {}
+        self.wait_s = 0.0
+        """Seconds spent blocked waiting for exchanges (a gloo block average blocks for all of it)."""
         # A heartbeat in the rendezvous store, from a thread: after a collective fails, the ranks whose
         # heartbeat stopped are the ones that died (a kill -9, a crash, a SIGSTOP), whatever step they reached.
         self._beating = threading.Event()
@@ -91,9 +98,9 @@ class DistComm:
         """Marks this rank's progress in the rendezvous store, where survivors of a failure read it."""
         self._store.set(f"shaky/step/{self.rank}", str(step))
 
-    def delivered(self, links: LinkSample) -> LinkSample:
-        """The masks that applied this step: on gloo, the drawn ones (``links``)."""
-        return links
+    def take_observed(self) -> list[tuple[int, LinkSample]]:
+        """Nothing on gloo: the drawn masks are the ones that applied."""
+        return []
 
     def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """What the data plane counted over the run, summed over the ranks (a collective): nothing on gloo."""
@@ -145,13 +152,16 @@ class DistComm:
         else:
             w = weights.to(x.dtype)
             total, denominator = x * w[self.rank], w.sum()
-        return _Reduced(dist.all_reduce(total, async_op=True), total, denominator)
+        return _Reduced(self, dist.all_reduce(total, async_op=True), total, denominator)
 
     def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                             weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
                             overwrite: bool = False) -> Done:
         """:meth:`block_average`; on gloo it completes before returning (its two phases depend on each other)."""
-        return Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite))
+        t0 = time.perf_counter()
+        done = Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite))
+        self.wait_s += time.perf_counter() - t0
+        return done
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """All workers' rows, [W, ...], on every rank (for checkpoints)."""
@@ -220,6 +230,22 @@ class DistComm:
             out = unpermuted
         return out[None]
 
+
+class _InFlight:
+    """A udp exchange running in its lane's thread; ``wait()`` gives its result (the first call completes it)."""
+
+    def __init__(self, comm: UdpDistComm, future: Future, step: int) -> None:
+        self._comm, self._future, self.step = comm, future, step
+        self._value: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._comm._complete(self._future, self.step)
+        return self._value
+
+
+MAX_LANES = 64
+"""The most udp exchanges one run may have in flight at once (sockets and threads per rank)."""
 
 KEY_ENV = "SHAKY_KEY"
 """The environment variable that holds the udp key material when ``dist.key_file`` is not given."""
@@ -296,12 +322,16 @@ class UdpDistComm(DistComm):
 
     def __init__(self, *, deadline_ms: float | None = None, key: bytes | None = None, ports: range | None = None,
                  host: str | None = None, options: UdpOptions | None = None, heartbeat: bool = False,
-                 announce: bool = True) -> None:
+                 announce: bool = True, lanes: int = 1, latency_s: list[float] | None = None) -> None:
         """``deadline_ms``: a fixed phase deadline (None: adaptive; the first round, with no history, gets
         :func:`first_deadline_s` of its row). ``key``: 32 bytes
         (``load_key``); None: rank 0 makes one for this run and hands it out through the store, and every
         rank says so on stderr (``announce``). ``ports``: the range a rank binds the first free port of.
         ``host``: this rank's address as the others reach it (None: ``local_address()``).
+        ``lanes``: exchanges that may be in flight at once (a delayed exchange's slots): each lane is a
+        socket of its own, driven by a thread of its own, so that the exchanges launched at consecutive
+        steps overlap each other as well as the compute (their latencies pipeline). ``latency_s``: the
+        one-way latency to emulate towards each rank (``UdpExchange``'s delay line; None: none).
 
         Raises ValueError (the same on every rank, naming the rank) when a rank cannot bind a port, or the
         ranks' keys differ."""
@@ -323,30 +353,40 @@ class UdpDistComm(DistComm):
                       f"encrypted; give every node dist.key_file or {KEY_ENV} to keep it off the network",
                       file=sys.stderr, flush=True)
         fingerprint = hashlib.sha256(b"shaky key fingerprint\0" + key).hexdigest()[:16]
-        exchange: UdpExchange | None = None
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
+            raise ValueError(f"lanes must be an integer in [1, {MAX_LANES}], got {lanes!r}")
+        exchanges: list[UdpExchange] = []
         try:
-            exchange = UdpExchange(rank=me, num_workers=w, key=key, run_id=run_id,
-                                   host=host or local_address(), ports=ports or DEFAULT_PORTS, options=options)
-            ip, port = exchange.address
-            store.set(f"{prefix}/addr/{me}", f"ok {fingerprint} {ip} {port}")
+            address = host or local_address()
+            for _ in range(lanes):
+                exchanges.append(UdpExchange(rank=me, num_workers=w, key=key, run_id=run_id, host=address,
+                                             ports=ports or DEFAULT_PORTS, options=options, latency_s=latency_s))
+            where = " ".join(f"{ex.address[0]} {ex.address[1]}" for ex in exchanges)
+            store.set(f"{prefix}/addr/{me}", f"ok {fingerprint} {where}")
         except (OSError, ValueError) as exc:
             store.set(f"{prefix}/addr/{me}", f"error {exc}")
         entries = [store.get(f"{prefix}/addr/{r}").decode().split(" ", 1) for r in range(w)]
         errors = [(r, rest) for r, (status, rest) in enumerate(entries) if status != "ok"]
-        peers = [(rest.split(" ")[1], int(rest.split(" ")[2])) for status, rest in entries if status == "ok"]
-        prints = {rest.split(" ")[0] for status, rest in entries if status == "ok"}
-        if errors or len(prints) > 1 or exchange is None:
+        fields = [rest.split(" ") for status, rest in entries if status == "ok"]
+        prints = {f[0] for f in fields}
+        if errors or len(prints) > 1 or len(exchanges) < lanes:
             super().close()
-            if exchange is not None:
-                exchange.close()
+            for ex in exchanges:
+                ex.close()
             if errors:
                 r, why = errors[0]
                 raise ValueError(f"rank {r} cannot open its udp socket: {why} (see dist.ports and dist.host)")
             raise ValueError("the ranks hold different udp keys (dist.key_file or SHAKY_KEY differs between "
                              "nodes): every datagram would be rejected")
-        self.exchange: UdpExchange = exchange
-        """This rank's end of the data plane."""
-        self.exchange.connect(peers)
+        self.exchanges: list[UdpExchange] = exchanges
+        """This rank's ends of the data plane, one per lane."""
+        for lane, ex in enumerate(exchanges):
+            ex.connect([(f[1 + 2 * lane], int(f[2 + 2 * lane])) for f in fields])
+        self.exchange: UdpExchange = exchanges[0]
+        """The first lane's exchange (every lane has the same options)."""
+        self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"shaky-udp-lane{k}") for k in range(lanes)]
+        self._completed: list[tuple[int, LinkSample]] = []
+        self._step = 0
         self.segment_bytes = self.exchange.segment_bytes
         """The bytes of a datagram's segment: the unit of loss (``network.segment_bytes`` of the masks)."""
         self._fixed_s = None if deadline_ms is None else deadline_ms / 1000
@@ -354,7 +394,6 @@ class UdpDistComm(DistComm):
         self._deadline_s = self._fixed_s or self._adaptive.propose()
         self._round = 0
         self._observed: LinkSample | None = None
-        self._observed_now = False
         self.last_stats: ExchangeStats | None = None
         """The counters of the last exchange (this rank's)."""
         self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "closed_by_deadline": 0,
@@ -372,27 +411,33 @@ class UdpDistComm(DistComm):
         return self._observed
 
     def info(self) -> dict[str, object]:
-        """This rank's socket: address, granted buffers, GSO/GRO (``UdpExchange.info``)."""
-        return self.exchange.info()
+        """This rank's first socket: address, granted buffers, GSO/GRO (``UdpExchange.info``), and the lanes."""
+        return {**self.exchange.info(), "lanes": len(self.exchanges)}
 
     def close(self) -> None:
         super().close()
-        self.exchange.close()
+        for pool in self._threads:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for ex in self.exchanges:
+            ex.close()
 
     def on_step(self, step: int) -> None:
         super().on_step(step)
-        self._observed_now = False
+        self._step = step
 
-    def delivered(self, links: LinkSample) -> LinkSample:
-        """The masks that applied this step: what really arrived if this step exchanged blocks, else ``links``."""
-        return self._observed if self._observed_now and self._observed is not None else links
+    def take_observed(self) -> list[tuple[int, LinkSample]]:
+        """The masks of the exchanges completed since the last call (what really arrived), each with the step
+        it was launched at: an exchange that runs in the background completes steps after its launch."""
+        done, self._completed = self._completed, []
+        return done
 
     def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                             weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
-                            overwrite: bool = False, segment_bytes: int = 0) -> Done:
-        """:meth:`block_average`, complete when it returns."""
-        return Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite,
-                                       segment_bytes=segment_bytes))
+                            overwrite: bool = False, segment_bytes: int = 0) -> _InFlight:
+        """:meth:`block_average`, launched in the background: the exchange runs in its lane's thread while the
+        caller computes, and ``wait()`` blocks only for what has not arrived yet (then gathers the masks, a
+        collective: every rank waits for its handles in the same order, as a schedule makes them)."""
+        return self._launch(x, weights, servers, segment_bytes, copy=True)
 
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
@@ -400,18 +445,33 @@ class UdpDistComm(DistComm):
         """RPS's exchange over UDP. ``up`` and ``down`` (the drawn masks) are not used: the loss is the
         network's, and :attr:`observed` holds what arrived. ``segment_bytes`` must be :attr:`segment_bytes`
         (the run's ``network.segment_bytes``), so that the caller's masks and counters have its layout."""
+        # ``overwrite`` is allowed, not required: the result is a fresh tensor (``x`` supplies the segments
+        # whose average was lost while the result is received).
+        return self._launch(x, weights, servers, segment_bytes, copy=False).wait()
+
+    def _launch(self, x: torch.Tensor, weights: torch.Tensor | None, servers: torch.Tensor | None,
+                segment_bytes: int, *, copy: bool) -> _InFlight:
         if segment_bytes != self.segment_bytes:
             raise ValueError(f"the udp transport's unit of loss is a {self.segment_bytes}-byte segment; "
                              f"block_average was called with segment_bytes={segment_bytes} "
                              f"(set network.segment_bytes = {self.segment_bytes})")
-        # ``overwrite`` is allowed, not required: the result is a fresh tensor (``x`` supplies the segments
-        # whose average was lost while the result is received).
         deadline = self._deadline_s
         if self._fixed_s is None and self._round == 0:
             deadline = max(deadline, first_deadline_s(x[0].numel() * x.element_size()))
-        new, up_obs, down_obs, stats = self.exchange.block_average(
-            x[0].contiguous(), self._round, deadline_s=deadline, weights=weights, servers=servers)
+        # A background exchange reads its row while the caller goes on, so it gets a copy of its own.
+        row = x[0].clone() if copy else x[0].contiguous()
+        lane = self.exchanges[self._round % len(self.exchanges)]
+        future = self._threads[self._round % len(self.exchanges)].submit(
+            lane.block_average, row, self._round, deadline_s=deadline, weights=weights, servers=servers)
         self._round += 1
+        return _InFlight(self, future, self._step)
+
+    def _complete(self, future: Future, step: int) -> torch.Tensor:
+        """The result of the exchange launched at ``step``: waits for it, counts it, gathers every rank's
+        masks and the next deadline (a collective)."""
+        t0 = time.perf_counter()
+        new, up_obs, down_obs, stats = future.result()
+        self.wait_s += time.perf_counter() - t0
         self.last_stats = stats
         t = self._totals
         t["sent"] += stats.sent
@@ -425,11 +485,11 @@ class UdpDistComm(DistComm):
         if self._fixed_s is None:
             self._adaptive.observe_stats(stats)
         proposal = self._fixed_s or self._adaptive.propose()
-        self._observed = self._gather_masks(up_obs, down_obs, proposal)
-        self._observed_now = True
+        self._observed = self._gather_masks(up_obs, down_obs, proposal, step)
+        self._completed.append((step, self._observed))
         return new[None]
 
-    def _gather_masks(self, up_obs: torch.Tensor, down_obs: torch.Tensor, proposal: float) -> LinkSample:
+    def _gather_masks(self, up_obs: torch.Tensor, down_obs: torch.Tensor, proposal: float, step: int) -> LinkSample:
         """Every rank's observed masks as the run's [W, W, S] masks, and the agreed deadline of the next round."""
         w, nseg = up_obs.shape
         mine = torch.cat([up_obs.reshape(-1).to(torch.uint8), down_obs.reshape(-1).to(torch.uint8),
@@ -442,7 +502,7 @@ class UdpDistComm(DistComm):
         up = every[:, :n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
         down = every[:, n:2 * n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
         self._deadline_s = max(struct.unpack("<d", bytes(p[2 * n:].tolist()))[0] for p in parts)
-        return LinkSample(self._round - 1, up, down, self.segment_bytes)
+        return LinkSample(step, up, down, self.segment_bytes)
 
     def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """The run's datagram counters summed over the ranks (a collective), plus ``before`` (the same table
@@ -474,14 +534,25 @@ def first_deadline_s(row_bytes: int) -> float:
     return FIRST_DEADLINE_S + FIRST_DEADLINE_S_PER_MB * row_bytes / 1e6
 
 
-def udp_comm(settings: DistConfig, *, heartbeat: bool = False) -> UdpDistComm:
+def udp_comm(settings: DistConfig, *, heartbeat: bool = False, lanes: int = 1,
+             latency_ms: Sequence[Sequence[float]] | None = None) -> UdpDistComm:
     """The udp transport's comm for the ``[dist]`` settings, built by every rank together (a collective):
     ``shaky train --transport udp`` and ``RPSAverager(transport="udp")`` both start it here. A key file that
-    one rank cannot read, a rank with no free port or keys that differ raise the same ValueError on every rank."""
+    one rank cannot read, a rank with no free port or keys that differ raise the same ValueError on every rank.
+
+    ``lanes``: exchanges in flight at once (:class:`UdpDistComm`; more than :data:`MAX_LANES` are capped, the
+    rest queue). ``latency_ms``: the network model's [W, W] one-way latencies, emulated where
+    ``settings.emulate_latency`` (required then)."""
     options = UdpOptions(datagram_bytes=settings.datagram_bytes, send_rate_mbps=settings.send_rate_mbps or None)
+    latency_s = None
+    if settings.emulate_latency:
+        if latency_ms is None:
+            raise ValueError("dist.emulate_latency needs the network's latencies (network.latency_ms)")
+        latency_s = [float(v) / 1e3 for v in latency_ms[dist.get_rank()]]
     comm = UdpDistComm(deadline_ms=None if settings.deadline_ms == "adaptive" else float(settings.deadline_ms),
                        key=agreed_key(settings.key_file), ports=settings.port_range(), host=settings.host or None,
-                       heartbeat=heartbeat, options=options)
+                       heartbeat=heartbeat, options=options, lanes=min(max(1, lanes), MAX_LANES),
+                       latency_s=latency_s)
     warning = python_path_warning(options)
     if warning and comm.rank == 0:
         print(f"shaky: warning: {warning}", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ class SimComm:
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
+        self.wait_s = 0.0   # every exchange completes when it starts
         self.rows = torch.arange(num_workers)
 
     def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,9 +41,9 @@ class SimComm:
     def on_step(self, step: int) -> None:
         """Nothing to report: every worker lives in this process."""
 
-    def delivered(self, links: LinkSample) -> LinkSample:
-        """The masks that applied: the drawn ones."""
-        return links
+    def take_observed(self) -> list[tuple[int, LinkSample]]:
+        """Nothing: the masks that applied are the drawn ones."""
+        return []
 
     def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """Nothing: the simulator's losses are drawn, not observed."""

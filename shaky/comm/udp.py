@@ -85,6 +85,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import heapq
 import hmac
 import importlib.machinery
 import math
@@ -93,6 +94,7 @@ import select
 import socket
 import struct
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -393,8 +395,13 @@ class UdpExchange:
     """
 
     def __init__(self, *, rank: int, num_workers: int, key: bytes, run_id: int, host: str, ports: range,
-                 options: UdpOptions | None = None) -> None:
+                 options: UdpOptions | None = None, latency_s: Sequence[float] | None = None) -> None:
         """Binds the socket on ``host`` at the first free port of ``ports``.
+
+        ``latency_s``: latency emulation, for tests and benchmarks on one machine (the kernel here has no
+        netem): one number per rank, the one-way latency in seconds of the link from this rank to it. Every
+        datagram is then held in an application-level delay line (a thread) and leaves that long after it
+        was handed over, one datagram per system call. None (or all zeros): no delay line.
 
         Raises:
             ValueError / TypeError: an argument is out of range or of the wrong type (named).
@@ -414,6 +421,7 @@ class UdpExchange:
             raise TypeError(f"options must be a UdpOptions, got {type(options).__name__}")
         if sys.byteorder != "little":
             raise RuntimeError("the UDP data plane sends raw little-endian floats; this machine is big-endian")
+        delays = _check_latency(latency_s, num_workers)
         self.rank, self.num_workers, self.run_id, self.options = rank, num_workers, run_id, options
         self._fast = options.compiled and FASTPATH is not None
         self._mac = _Mac(bytes(key), compiled=self._fast)
@@ -438,6 +446,10 @@ class UdpExchange:
         except BaseException:
             self.sock.close()
             raise
+        self._latency = delays
+        self._line = _DelayLine(self.sock) if delays is not None else None
+        if self._line is not None:
+            self._gso = False       # each datagram is held on its own
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
         """This rank's (ip, port): announce it to the other ranks."""
         self.segment_bytes = options.datagram_bytes - OVERHEAD_BYTES
@@ -506,6 +518,8 @@ class UdpExchange:
                 "float32_per_datagram": segment_length(self.segment_bytes, 4)}
 
     def close(self) -> None:
+        if self._line is not None:
+            self._line.close()
         self.sock.close()
 
     def __enter__(self) -> UdpExchange:
@@ -726,6 +740,10 @@ class UdpExchange:
     def _send_one(self, data: memoryview, addr: tuple[str, int]) -> bool:
         """Sends one datagram; False where an ICMP error from an earlier datagram came back instead (that one
         was lost; this one was not sent)."""
+        if self._line is not None:
+            self._line.put(bytes(data), addr, self._latency[self._addr_rank[addr]])
+            self._st.sent += 1
+            return True
         try:
             self._retrying(lambda: self.sock.sendto(data, addr))
             self._st.sent += 1
@@ -1286,6 +1304,74 @@ def _rotation(me: int, W: int) -> list[int]:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _check_latency(latency_s: object, W: int) -> list[float] | None:
+    """``latency_s`` as W non-negative finite seconds, or None when there is nothing to delay."""
+    if latency_s is None:
+        return None
+    if isinstance(latency_s, (str, bytes)) or not isinstance(latency_s, Sequence) or len(latency_s) != W:
+        raise ValueError(f"latency_s must hold one one-way latency per rank ({W}), got {latency_s!r}")
+    delays = []
+    for r, value in enumerate(latency_s):
+        if not (_is_real(value) and 0 <= value < math.inf):
+            raise ValueError(f"latency_s[{r}] must be a number of seconds >= 0, got {value!r}")
+        delays.append(float(value))
+    return delays if any(delays) else None
+
+
+class _DelayLine:
+    """Latency emulation: each datagram handed over leaves its socket ``delay_s`` later, from a thread.
+
+    Datagrams with the same delay leave in the order they were handed over, so a sender's stream to one
+    receiver stays in order (the early close relies on it). A send that fails is a lost datagram.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._heap: list[tuple[float, int, bytes, tuple[str, int]]] = []
+        self._seq = 0
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="shaky-udp-delay", daemon=True)
+        self._thread.start()
+
+    def put(self, data: bytes, addr: tuple[str, int], delay_s: float) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (time.monotonic() + delay_s, self._seq, data, addr))
+            self._seq += 1
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cv.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                if self._closed:
+                    return
+                now, due = time.monotonic(), []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap))
+            for _due, _seq, data, addr in due:
+                self._send(data, addr)
+
+    def _send(self, data: bytes, addr: tuple[str, int]) -> None:
+        for _ in range(1000):       # a full send buffer drains in microseconds; past that the datagram is lost
+            try:
+                self._sock.sendto(data, addr)
+                return
+            except (BlockingIOError, InterruptedError):
+                select.select([], [self._sock], [], 0.001)
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    return      # an ICMP error from an earlier datagram, or the socket closed: this one is lost
+                time.sleep(0.0001)
 
 
 def _int_in(name: str, value: object, lo: int, hi: int) -> None:

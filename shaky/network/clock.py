@@ -15,7 +15,9 @@ The formulas are in docs/clock.md. In short:
 * With segments (``network.segment_bytes``), a link's message is its segments
   back to back; a lost segment is resent alone (reliable) or just lost.
 * An *exchange* is a step's phases, one after another. Exchanges share the
-  links, so they use the network one at a time, in launch order (FIFO).
+  ports, so their bytes go one exchange at a time, in launch order (FIFO); their
+  latencies overlap: an exchange launched while another is in flight starts when
+  the ports have sent the earlier one's bytes, not when it has arrived.
 * An exchange launched at step n with delay t is needed at the end of step
   n + t - 1: it overlaps the compute of the next t - 1 steps, and the workers
   wait only for what has not arrived by then. t = 1 is a synchronous exchange.
@@ -84,7 +86,8 @@ class ClockState(NamedTuple):
     now_s: float = 0.0
     """Simulated seconds at the end of the last step."""
     network_free_s: float = 0.0
-    """When the network has finished every exchange launched so far (exchanges go one at a time)."""
+    """When the ports have sent the bytes of every exchange launched so far (their bytes go one exchange at a
+    time; their latencies overlap)."""
     pending: tuple[tuple[int, float], ...] = ()
     """Exchanges in flight: (the step at whose end it is needed, its arrival time in seconds)."""
 
@@ -98,8 +101,10 @@ class Clock:
         self.compute_s = compute_ms / 1e3
         self.rto_s = retransmit_timeout_ms / 1e3
         self.state = ClockState()
+        self.last_wait_s = 0.0
+        """Seconds the last step waited, past its compute, for the exchanges due at its end."""
 
-    def _transfer_s(self, link_bytes: np.ndarray, mask: np.ndarray) -> float:
+    def _transfer_s(self, link_bytes: np.ndarray, mask: np.ndarray, *, latency: bool = True) -> float:
         """One round of the messages in ``mask``: the busiest port's bytes plus its longest latency.
 
         With segments ([W, W, S]) a link carries the bytes of its segments in ``mask``, back to back.
@@ -109,7 +114,7 @@ class Clock:
         if mask.ndim == 3:
             link_bytes, mask = np.where(mask, link_bytes, 0.0).sum(axis=2), mask.any(axis=2)
         tx = np.where(mask, link_bytes / self.bytes_per_s, 0.0)
-        lat = np.where(mask, self.latency_s, 0.0)
+        lat = np.where(mask, self.latency_s if latency else 0.0, 0.0)
         send = tx.sum(axis=1) + lat.max(axis=1)   # sender i: its messages back to back, the farthest one last
         receive = tx.sum(axis=0) + lat.max(axis=0)
         return float(max(send.max(), receive.max()))
@@ -130,17 +135,32 @@ class Clock:
         """One exchange: its phases one after another (each needs what the one before delivered)."""
         return sum((self.phase_seconds(p) for p in phases), 0.0)
 
+    def busy_seconds(self, phases: tuple[PhaseTraffic, ...]) -> float:
+        """The part of :meth:`exchange_seconds` during which the exchange occupies the workers' ports: its bytes
+        (and, on a reliable transport, the resent ones), without the latencies and timeouts it waits through."""
+        total = 0.0
+        for phase in phases:
+            total += self._transfer_s(phase.link_bytes, phase.sent, latency=False)
+            if phase.reliable and phase.lost.any():
+                total += self._transfer_s(phase.link_bytes, phase.lost, latency=False)
+        return total
+
     def advance(self, phases: tuple[PhaseTraffic, ...], delay: int = 1) -> float:
         """Simulates one step that launches the exchange ``phases`` (none if empty); returns the time after it."""
-        return self.tick(self.exchange_seconds(phases) if phases else None, delay)
+        if not phases:
+            return self.tick(None, delay)
+        return self.tick(self.exchange_seconds(phases), delay, busy_s=self.busy_seconds(phases))
 
-    def tick(self, exchange_s: float | None, delay: int = 1) -> float:
+    def tick(self, exchange_s: float | None, delay: int = 1, *, busy_s: float | None = None) -> float:
         """One step: compute, launch an exchange lasting ``exchange_s`` (None: none), wait for what is due.
 
         The exchange is needed at the end of step ``step + delay - 1``. It starts when
-        the compute ends or when the network has finished the exchanges before it,
-        whichever is later. The step ends when its compute is done and every exchange
-        due at this step has arrived. Returns the simulated seconds at the end of the step.
+        the compute ends or when the network has finished sending the exchanges before it,
+        whichever is later, and arrives ``exchange_s`` later. Of that, only ``busy_s`` (its
+        bytes on the ports; None: all of it) keeps the network from the next exchange: the
+        latencies of exchanges in flight overlap (pipeline), their bytes do not. The step
+        ends when its compute is done and every exchange due at this step has arrived.
+        Returns the simulated seconds at the end of the step.
         """
         if delay < 1:
             raise ValueError(f"delay must be >= 1, got {delay}")
@@ -148,10 +168,12 @@ class Clock:
         compute_end = s.now_s + self.compute_s
         network_free, pending = s.network_free_s, s.pending
         if exchange_s is not None:
-            network_free = max(compute_end, network_free) + exchange_s
-            pending = pending + ((s.step + delay - 1, network_free),)
+            start = max(compute_end, network_free)
+            network_free = start + (exchange_s if busy_s is None else min(busy_s, exchange_s))
+            pending = pending + ((s.step + delay - 1, start + exchange_s),)
         end = max([compute_end] + [arrival for due, arrival in pending if due <= s.step])
         self.state = ClockState(s.step + 1, end, network_free, tuple(p for p in pending if p[0] > s.step))
+        self.last_wait_s = end - compute_end
         return end
 
 

@@ -210,6 +210,18 @@ class MaskLog:
         self._down[self.rounds] = _pack(links.down)
         self.rounds += 1
 
+    def put(self, round_: int, links: LinkSample) -> None:
+        """Replaces the masks of an appended round (a real transport's observed masks, known when its exchange
+        completed, in place of the drawn ones appended at the round)."""
+        if not 0 <= round_ < self.rounds:
+            raise IndexError(f"round {round_} has not been appended (rounds: {self.rounds})")
+        num_segments = 1 if links.up.dim() == 2 else links.up.shape[2]
+        if (num_segments, links.segment_bytes) != (self.num_segments, self.segment_bytes):
+            raise ValueError(f"round {round_}'s masks have {num_segments} segments of {links.segment_bytes} bytes; "
+                             f"the log holds {self.num_segments} of {self.segment_bytes}")
+        self._up[round_] = _pack(links.up)
+        self._down[round_] = _pack(links.down)
+
     def packed(self) -> dict[str, np.ndarray]:
         """Arrays [rounds, S * ceil(W*W/8)] of uint8 and the segments' count and size: the layout of ``trace.npz``."""
         return {"up": self._up[:self.rounds], "down": self._down[:self.rounds],
