@@ -140,6 +140,32 @@ def test_exchanges_share_the_network_one_at_a_time() -> None:
     assert times == pytest.approx([0.1, 0.2, 0.35, 0.6])
 
 
+def test_exchanges_in_flight_overlap_their_latencies() -> None:
+    clock = _clock(2, compute_ms=100.0)
+    # The same two exchanges, each 200 ms of latency and 50 ms of bytes (busy): the ports are free again at
+    # 0.15 s, so the second leaves at 0.2 s (its launch) and arrives at 0.45 s instead of 0.6 s.
+    times, waits = [], []
+    for exchange in (0.25, 0.25, None, None):
+        times.append(clock.tick(exchange, delay=3, busy_s=0.05))
+        waits.append(clock.last_wait_s)
+    assert times == pytest.approx([0.1, 0.2, 0.35, 0.45])
+    assert waits == pytest.approx([0.0, 0.0, 0.05, 0.0])     # step 2's compute ended at 0.3 s
+
+
+def test_advance_takes_the_busy_part_from_the_phases() -> None:
+    params = torch.zeros(2, 1000)
+    phases = block_exchange_traffic(params, 2, _links(2), reliable=False)
+    clock = _clock(2, compute_ms=1.0, latency_ms=10.0, bandwidth_mbps=8.0)   # 2 ms of bytes, 10 ms latency a phase
+    assert clock.busy_seconds(phases) == pytest.approx(2 * 0.002)
+    # DTS-like: an exchange every step, due 8 steps later; 24 ms each, but only 4 ms of it holds the ports,
+    # so the network keeps up with one exchange per 4 ms and the steps never wait past the first ones.
+    for _ in range(100):
+        end = clock.advance(phases, delay=8)
+    assert end == pytest.approx(100 * 0.004 + 0.001, rel=0.05)
+    lost = block_exchange_traffic(params, 2, _links(2, lost_up=(0, 1)), reliable=True)
+    assert clock.busy_seconds(lost) == pytest.approx(3 * 0.002)   # the resent message occupies the port again
+
+
 def test_clock_state_survives_pickling_mid_flight() -> None:
     a, b = _clock(2, compute_ms=100.0), _clock(2, compute_ms=100.0)
     for clock in (a, b):

@@ -70,6 +70,27 @@ def test_mask_log_grows_past_its_capacity_and_replays(tmp_path) -> None:
         assert torch.equal(r.up, s.up) and torch.equal(r.down, s.down)
 
 
+def test_mask_log_put_replaces_one_round_only(tmp_path) -> None:
+    """An exchange that completes steps after its launch puts its observed masks at the launch round; the
+    other rounds keep theirs, and a round not yet appended or masks of another layout are refused."""
+    net, other = NetworkModel(NetworkConfig(drop_rate=0.4), 5, seed=7), NetworkModel(NetworkConfig(), 5, seed=1)
+    log = MaskLog(5)
+    for r in range(4):
+        log.append(net.sample(r))
+    before = log.packed()["up"].copy()
+    log.put(1, other.sample(1))
+    after = log.packed()
+    assert np.array_equal(after["up"][[0, 2, 3]], before[[0, 2, 3]])
+    save_trace(tmp_path, after, 5)
+    replay = TraceNetwork(NetworkConfig(), 5, 99, *load_trace(str(tmp_path), 5, 4))
+    assert replay.sample(1).up.all() and torch.equal(replay.sample(2).up, net.sample(2).up)
+    with pytest.raises(IndexError, match="round 4"):
+        log.put(4, net.sample(4))
+    segmented = NetworkModel(NetworkConfig(segment_bytes=8), 5, seed=1, dim=100).sample(0)
+    with pytest.raises(ValueError, match="segments"):
+        log.put(0, segmented)
+
+
 def test_trace_round_trip(tmp_path) -> None:
     net = NetworkModel(NetworkConfig(drop_rate=0.4), 5, seed=2)
     samples = [net.sample(r) for r in range(30)]

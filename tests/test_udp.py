@@ -733,3 +733,50 @@ def test_real_packet_loss_gives_the_rule_with_what_arrived(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert 0.03 < found["lost"] / found["total"] < 0.4, found
+
+
+def test_emulated_latency_holds_datagrams_for_their_link() -> None:
+    """Rank 2's links out are 2 s long (the delay line), the others' instant: with a 0.3 s deadline nothing
+    rank 2 sent can be in time (its segments at the servers and its average everywhere are lost, and the rule
+    holds on those masks), while every other link delivers; with the latency under the deadline it all
+    arrives. Bad latencies are refused, naming the entry."""
+    W, D = 3, 200
+    rows = [torch.arange(D, dtype=torch.float32) * (r + 1) for r in range(W)]
+
+    def build(far_s: float):
+        exs = [UdpExchange(rank=r, num_workers=W, key=KEY, run_id=RUN, host="127.0.0.1", ports=PORTS, options=SMALL,
+                           latency_s=[far_s if r == 2 else 0.0] * W) for r in range(W)]
+        for ex in exs:
+            ex.connect([e.address for e in exs])
+        return exs
+
+    exs = build(2.0)
+    try:
+        results = run_round(exs, rows, 0, deadline_s=0.3)
+    finally:
+        for ex in exs:
+            ex.close()
+    up, down = masks(results)
+    seg = seg_len(exs[0], torch.float32)
+    nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
+    assert not up[2, 0, :nseg[0]].any() and not up[2, 1, :nseg[1]].any(), "rank 2's segments came in time"
+    assert not down[2, 0, :nseg[2]].any() and not down[2, 1, :nseg[2]].any(), "rank 2's average came in time"
+    assert up[0, 1].all() and up[1, 0].all() and down[0, 1].all() and down[1, 2].all(), "an instant link lost"
+    expected = reference(np.stack([r.numpy() for r in rows]), up, down, seg)
+    np.testing.assert_allclose(np.stack([res[0].numpy() for res in results]), expected, rtol=1e-6)
+
+    exs = build(0.05)
+    try:
+        results = run_round(exs, rows, 0, deadline_s=10.0)
+    finally:
+        for ex in exs:
+            ex.close()
+    assert all(res[3].closed_by == ("complete", "complete") for res in results)
+    mean = sum(rows) / W
+    for res in results:
+        torch.testing.assert_close(res[0], mean)
+
+    for bad, why in (([0.1] * 2, "one one-way latency per rank"), ([0.0, -1.0, 0.0], r"latency_s\[1\]"),
+                     ([0.0, float("nan"), 0.0], r"latency_s\[1\]")):
+        with pytest.raises(ValueError, match=why):
+            UdpExchange(rank=0, num_workers=W, key=KEY, run_id=RUN, host="127.0.0.1", ports=PORTS, latency_s=bad)

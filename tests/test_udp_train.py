@@ -77,6 +77,35 @@ def test_a_real_lossy_udp_run_replays_in_the_simulator(tmp_path: Path) -> None:
     assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
 
 
+def test_a_delayed_exchange_in_the_background_replays_in_the_simulator(tmp_path: Path) -> None:
+    """dts with t = 4 over udp: each exchange runs in the background while the next three steps compute, over
+    links with an emulated one-way latency of 20 ms and 10% of the datagrams really lost, with a checkpoint
+    (every exchange in flight then completes early) and the run's end (three in flight) in between. The trace
+    holds each exchange's masks at the step that launched it, so the simulator's replay ends at the same
+    parameters (allclose 1e-5) with the same losses; the time spent waiting is in the summary."""
+    out = tmp_path / "dts"
+    args = ("--strategy", "dts", "--set", "strategy.delay=4", "--steps", "40", "--eval-every", "20",
+            "--checkpoint-every", "15", "--set", "network.latency_ms=20", "--set", "dist.emulate_latency=true")
+    done = _in_namespace(_torchrun(out, *args), loss=0.1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = read_summary(out)
+    udp = summary["udp"]
+    assert 0.05 < udp["observed_loss"] < 0.2, udp
+    assert summary["messages_dropped"] == udp["datagrams_sent"] - udp["datagrams_received"], (summary, udp)
+    assert summary["wait_s"] >= 0 and summary["sim_wait_s"] > 0, summary
+
+    replay = tmp_path / "replay"
+    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(out / "config.toml"),
+                          "--backend", "sim", "--transport", "gloo", "--set", "dist.emulate_latency=false",
+                          "--replay-trace", str(out), "--quiet", "--out", str(replay)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(out)["params"],
+                               rtol=1e-5, atol=1e-5)
+    assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
+    assert read_summary(replay)["wait_s"] is None
+
+
 def test_an_attacker_on_the_path_changes_nothing(tmp_path: Path) -> None:
     """Random, truncated, forged-tag, wrong-address and replayed datagrams at every rank's port during a
     4-process run at zero loss and a generous deadline: the final parameters are those of the same run
