@@ -266,8 +266,9 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         if dist.get_world_size() != cfg.num_workers:
             raise BadInput(f"num_workers is {cfg.num_workers} but torchrun started {dist.get_world_size()} "
                            "processes; they must match (one worker per process)")
-        if cfg.dist.transport == "udp":   # a lane for each exchange a delay keeps in flight
-            comm = udp_comm(cfg.dist, heartbeat=True, lanes=setup.strategy.exchange.schedule.slots,
+        if cfg.dist.transport == "udp":   # a lane for each exchange a delay keeps in flight, and the next one
+            slots = setup.strategy.exchange.schedule.slots
+            comm = udp_comm(cfg.dist, heartbeat=True, lanes=slots + 1 if slots else 1,
                             latency_ms=setup.network.latency_ms.tolist())
         else:
             comm = DistComm(heartbeat=True)

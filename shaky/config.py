@@ -271,6 +271,9 @@ class NetworkConfig:
     """What a reliable transport waits before resending a lost message (Linux's minimum RTO)."""
     compute_ms: float = -1.0
     """Simulated compute time of one worker's step; negative means measure it on this machine."""
+    exchange_compute_ms: float = 0.0
+    """Simulated compute time an exchange takes from the step that launches it (a software data plane packing,
+    tagging and receiving datagrams on the workers' own cores): it never overlaps, whatever the delay."""
     trace: str = ""
     """A run directory whose recorded delivery masks are replayed instead of sampled."""
 
@@ -294,6 +297,7 @@ class NetworkConfig:
                      hi_open=True)
         if math.isnan(self.compute_ms) or math.isinf(self.compute_ms):
             raise ValueError(f"network.compute_ms must be a finite number, got {self.compute_ms!r}")
+        _check_range("network.exchange_compute_ms", self.exchange_compute_ms, 0.0, math.inf, hi_open=True)
 
     def _check_regions(self) -> None:
         from shaky.network.presets import REGIONS  # noqa: PLC0415

@@ -108,7 +108,8 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     sampler = BatchSampler(setup.shards, comm.rows.tolist(), cfg.worker_batch_sizes(), cfg.seed)
     batch_mask = sampler.mask.to(setup.dtype)
     members = FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps, sample_weights(cfg))
-    clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms)
+    clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms,
+                  exchange_compute_ms=cfg.network.exchange_compute_ms)
     masks = _Masks(MaskLog(cfg.num_workers, cfg.steps), observing=_observes_losses(cfg))
     params, state, counters = _start(setup, run_dir, comm, clock, masks, resume=resume, writer=writer)
     t_start = time.perf_counter()

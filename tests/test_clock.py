@@ -166,6 +166,15 @@ def test_advance_takes_the_busy_part_from_the_phases() -> None:
     assert clock.busy_seconds(lost) == pytest.approx(3 * 0.002)   # the resent message occupies the port again
 
 
+def test_an_exchanges_own_compute_is_never_hidden() -> None:
+    """exchange_compute_ms lengthens the step that launches an exchange, whatever the delay; steps that launch
+    nothing keep the plain compute."""
+    clock = Clock(NetworkModel(NetworkConfig(), 2, seed=0), compute_ms=100.0, retransmit_timeout_ms=200.0,
+                  exchange_compute_ms=20.0)
+    times = [clock.tick(0.05, delay=8), clock.tick(None), clock.tick(0.05, delay=8)]
+    assert times == pytest.approx([0.12, 0.22, 0.34])
+
+
 def test_clock_state_survives_pickling_mid_flight() -> None:
     a, b = _clock(2, compute_ms=100.0), _clock(2, compute_ms=100.0)
     for clock in (a, b):

@@ -401,7 +401,8 @@ class UdpExchange:
         ``latency_s``: latency emulation, for tests and benchmarks on one machine (the kernel here has no
         netem): one number per rank, the one-way latency in seconds of the link from this rank to it. Every
         datagram is then held in an application-level delay line (a thread) and leaves that long after it
-        was handed over, one datagram per system call. None (or all zeros): no delay line.
+        was handed over, one datagram per system call (all zeros: the delay line's path with no delay, as a
+        baseline). None: no delay line.
 
         Raises:
             ValueError / TypeError: an argument is out of range or of the wrong type (named).
@@ -1307,7 +1308,7 @@ def _is_real(value: object) -> bool:
 
 
 def _check_latency(latency_s: object, W: int) -> list[float] | None:
-    """``latency_s`` as W non-negative finite seconds, or None when there is nothing to delay."""
+    """``latency_s`` as W non-negative finite seconds (None stays None)."""
     if latency_s is None:
         return None
     if isinstance(latency_s, (str, bytes)) or not isinstance(latency_s, Sequence) or len(latency_s) != W:
@@ -1317,7 +1318,7 @@ def _check_latency(latency_s: object, W: int) -> list[float] | None:
         if not (_is_real(value) and 0 <= value < math.inf):
             raise ValueError(f"latency_s[{r}] must be a number of seconds >= 0, got {value!r}")
         delays.append(float(value))
-    return delays if any(delays) else None
+    return delays
 
 
 class _DelayLine:

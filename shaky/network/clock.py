@@ -95,10 +95,13 @@ class ClockState(NamedTuple):
 class Clock:
     """Accumulates simulated seconds from compute time and each step's exchanges."""
 
-    def __init__(self, network: NetworkModel, compute_ms: float, retransmit_timeout_ms: float) -> None:
+    def __init__(self, network: NetworkModel, compute_ms: float, retransmit_timeout_ms: float, *,
+                 exchange_compute_ms: float = 0.0) -> None:
         self.latency_s = network.latency_ms / 1e3
         self.bytes_per_s = network.bandwidth_mbps * 1e6 / 8
         self.compute_s = compute_ms / 1e3
+        self.exchange_compute_s = exchange_compute_ms / 1e3
+        """Compute that launching an exchange adds to its step (a software data plane's CPU)."""
         self.rto_s = retransmit_timeout_ms / 1e3
         self.state = ClockState()
         self.last_wait_s = 0.0
@@ -165,7 +168,7 @@ class Clock:
         if delay < 1:
             raise ValueError(f"delay must be >= 1, got {delay}")
         s = self.state
-        compute_end = s.now_s + self.compute_s
+        compute_end = s.now_s + self.compute_s + (self.exchange_compute_s if exchange_s is not None else 0.0)
         network_free, pending = s.network_free_s, s.pending
         if exchange_s is not None:
             start = max(compute_end, network_free)

@@ -226,15 +226,17 @@ class Delayed:
             result, inner, stats = self.inner(x, comm, rnd, state.inner, overwrite=overwrite, fn=fn)
             return result, DelayedState(inner, state.slots), stats
         due = schedule.due_index(rnd.step)
-        result = None if due is None else state.slots[due % schedule.slots].wait()
         if not schedule.launches(rnd.step):
-            return result, state, StepStats()
-        # Not in x's storage: the result must outlive this step. Written after the due slot was read:
-        # with S * d = t - 1 the two are the same slot.
+            return (None if due is None else state.slots[due % schedule.slots].wait()), state, StepStats()
+        # Launched before the due one is waited for (a real exchange then leaves while the worker waits, as
+        # the clock has it); the due handle is read first: with S * d = t - 1 the two share a slot.
+        # Not in x's storage: the result must outlive this step.
+        waiting = None if due is None else state.slots[due % schedule.slots]
         handle, inner, stats = self.inner.start(x, comm, rnd, state.inner, overwrite=False, fn=fn)
         launch = schedule.launch_index(rnd.step)
         slots = list(state.slots)
         slots[launch % schedule.slots] = handle
+        result = None if waiting is None else waiting.wait()
         return result, DelayedState(inner, tuple(slots)), dataclasses.replace(stats, delay=schedule.delay)
 
 
