@@ -54,6 +54,30 @@ class _Reduced:
         return self._total / self._denominator
 
 
+def _world_timeout() -> timedelta:
+    """The default process group's timeout (init_process_group's), for the groups this module makes: a new group
+    would otherwise wait torch's 30 minutes for a rank that died."""
+    try:
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):      # another torch's internals: its default
+        return dist.default_pg_timeout
+
+
+class _Background:
+    """A gloo block average running in the exchange thread; ``wait()`` gives its result."""
+
+    def __init__(self, comm: DistComm, future: Future) -> None:
+        self._comm, self._future = comm, future
+        self._value: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._value is None:
+            t0 = time.perf_counter()
+            self._value = self._future.result()
+            self._comm.wait_s += time.perf_counter() - t0
+        return self._value
+
+
 class DistComm:
     """Comm for one worker per torch.distributed process (gloo on CPU, NCCL on GPU)."""
 
@@ -67,6 +91,8 @@ class DistComm:
         self.rows = torch.tensor([self.rank])
         self._store = dist.distributed_c10d._get_default_store()
         self._buffers: dict[str, torch.Tensor] = {}
+        self._data: dist.ProcessGroup | None = None
+        self._data_thread: ThreadPoolExecutor | None = None
         self.wait_s = 0.0
         """Seconds spent blocked waiting for exchanges (a gloo block average blocks for all of it)."""
         # A heartbeat in the rendezvous store, from a thread: after a collective fails, the ranks whose
@@ -85,8 +111,10 @@ class DistComm:
                 return
 
     def close(self) -> None:
-        """Stops the heartbeat (before the process group is destroyed)."""
+        """Stops the heartbeat and the exchange thread (before the process group is destroyed)."""
         self._beating.set()
+        if self._data_thread is not None:
+            self._data_thread.shutdown(wait=False, cancel_futures=True)
 
     def _buffer(self, name: str, size: int, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -156,12 +184,17 @@ class DistComm:
 
     def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                             weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
-                            overwrite: bool = False) -> Done:
-        """:meth:`block_average`; on gloo it completes before returning (its two phases depend on each other)."""
-        t0 = time.perf_counter()
-        done = Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite))
-        self.wait_s += time.perf_counter() - t0
-        return done
+                            overwrite: bool = False) -> _Background:
+        """:meth:`block_average`, in the background: a thread runs its two phases on a process group of their
+        own, in launch order (the default group's collectives, such as the loss mean and evaluation, go on
+        meanwhile), and ``wait()`` blocks only for what has not arrived. The first call creates that group, a
+        collective: every rank starts its exchanges at the same steps, as a schedule makes them."""
+        if self._data is None:
+            self._data = dist.new_group(backend=dist.get_backend(), timeout=_world_timeout())
+            self._data_thread = ThreadPoolExecutor(1, thread_name_prefix="shaky-exchange")
+        future = self._data_thread.submit(self._block_average, x.clone(), up, down, weights, servers,
+                                          self._data, "background")
+        return _Background(self, future)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """All workers' rows, [W, ...], on every rank (for checkpoints)."""
@@ -174,6 +207,14 @@ class DistComm:
                       overwrite: bool = False) -> torch.Tensor:
         # ``overwrite`` is allowed, not required: the result here is always a fresh tensor (phase 2
         # receives into it while ``x`` still supplies the blocks whose average was lost).
+        t0 = time.perf_counter()
+        out = self._block_average(x, up, down, weights, servers, None, "received")
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    def _block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None,
+                       servers: torch.Tensor | None, group: dist.ProcessGroup | None, staging: str) -> torch.Tensor:
+        """RPS's two phases on ``group`` (None: the default one), staged in the buffer named ``staging``."""
         w, me = self.num_workers, self.rank
         row = x[0]
         sizes = block_sizes(row.numel(), w)
@@ -189,9 +230,9 @@ class DistComm:
         # Phase 1: every rank sends me the blocks I serve; I average those that arrived.
         # The staging buffer persists across calls: fresh large tensors cost a page fault
         # per 4 KiB, which on a busy machine takes longer than the exchange itself.
-        received = self._buffer("received", w * mine, row)
+        received = self._buffer(staging, w * mine, row)
         dist.all_to_all_single(received, row.contiguous(), output_split_sizes=[mine] * w,
-                               input_split_sizes=per_rank)
+                               input_split_sizes=per_rank, group=group)
         arrived = up[:, me].to(x.dtype)
         if weights is not None:
             arrived = arrived * weights.to(x.dtype)
@@ -210,9 +251,9 @@ class DistComm:
         for r in range(w):
             if r != me:
                 if mine:
-                    requests.append(dist.isend(avg, r))
+                    requests.append(dist.isend(avg, r, group=group))
                 if per_rank[r]:
-                    requests.append(dist.irecv(out[piece[r]:piece[r] + per_rank[r]], r))
+                    requests.append(dist.irecv(out[piece[r]:piece[r] + per_rank[r]], r, group=group))
         for request in requests:
             request.wait()
         # Where a server's average was lost, keep my own block (few blocks: a copy each, no full-size mask).
