@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from transport import _free_port, _netns, _sh, _unavailable  # noqa: E402 (a sibling script, not a package)
+from transport import _free_port, _netns, _sh, _unavailable, save_json  # noqa: E402 (a sibling script, not a package)
 
 WORLD = 4
 INSIDE = "SHAKY_OVERLAP_OUTER_NETNS"
@@ -131,11 +131,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "latencies_ms": args.latencies, "model": "digits, cnn, batch 256 per worker, 4 workers"}, "rows": []}
 
     def save() -> None:
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            tmp = args.json.with_name(args.json.name + ".tmp")
-            tmp.write_text(json.dumps(data, indent=1) + "\n")
-            tmp.replace(args.json)
+        save_json(args.json, data)
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shaky-overlap-") as tmp:

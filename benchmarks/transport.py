@@ -397,6 +397,15 @@ def run_training(losses: list[float], steps: int, timeout_s: float,
 
 # ------------------------------------------------------------------------------------------ output
 
+def save_json(path: Path | None, data: dict[str, Any]) -> None:
+    """``data`` into ``path`` (None: nowhere), replacing it whole: an interrupted run keeps what it measured."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)
+
+
 def _table(header: list[str], rows: list[list[str]]) -> None:
     """A Markdown table, padded to line up in a terminal too."""
     width = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -625,11 +634,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = {}
 
     def save() -> None:
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            tmp = args.json.with_name(args.json.name + ".tmp")
-            tmp.write_text(json.dumps(data, indent=1) + "\n")
-            tmp.replace(args.json)
+        save_json(args.json, data)
 
     for kind in PARTS:
         if args.part not in (kind, "all"):

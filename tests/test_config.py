@@ -330,6 +330,10 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
     ("network.retransmit_timeout_ms", -1.0, "network.retransmit_timeout_ms must be in [0, inf), got -1.0"),
     ("network.compute_ms", math.inf, "network.compute_ms must be a finite number, got inf"),
     ("network.compute_ms", math.nan, "network.compute_ms must be a finite number, got nan"),
+    ("network.exchange_compute_ms", -1.0, "network.exchange_compute_ms must be in [0, inf), got -1.0"),
+    ("network.exchange_compute_ms", math.inf, "network.exchange_compute_ms must be in [0, inf), got inf"),
+    ("dist.emulate_latency", True, "dist.emulate_latency = True applies only with dist.transport = \"udp\" "
+                                   "(got 'gloo')"),
     ("data.dataset", "mnist", "data.dataset must be one of digits, iris, wine, breast_cancer, mnist1d, cifar10, "
                               "text; got 'mnist'"),
     ("data.partition", "random", "data.partition must be one of iid, dirichlet, label-skew; got 'random'"),

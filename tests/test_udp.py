@@ -45,12 +45,15 @@ PATHS = [pytest.param(True, id="compiled", marks=NEEDS_BUILD), pytest.param(Fals
 
 
 @contextmanager
-def group(num_workers: int, options: UdpOptions = SMALL, key: bytes = KEY, compiled: bool | None = None):
+def group(num_workers: int, options: UdpOptions = SMALL, key: bytes = KEY, compiled: bool | None = None,
+          latency_s=None):
+    """``latency_s``: None, or rank -> the one-way latencies of that rank's links (emulated)."""
     if compiled is not None:
         options = dataclasses.replace(options, compiled=compiled)
     with ExitStack() as stack:
         exs = [stack.enter_context(UdpExchange(rank=r, num_workers=num_workers, key=key, run_id=RUN,
-                                               host="127.0.0.1", ports=PORTS, options=options))
+                                               host="127.0.0.1", ports=PORTS, options=options,
+                                               latency_s=None if latency_s is None else latency_s(r)))
                for r in range(num_workers)]
         for ex in exs:
             ex.connect([e.address for e in exs])
@@ -743,19 +746,8 @@ def test_emulated_latency_holds_datagrams_for_their_link() -> None:
     W, D = 3, 200
     rows = [torch.arange(D, dtype=torch.float32) * (r + 1) for r in range(W)]
 
-    def build(far_s: float):
-        exs = [UdpExchange(rank=r, num_workers=W, key=KEY, run_id=RUN, host="127.0.0.1", ports=PORTS, options=SMALL,
-                           latency_s=[far_s if r == 2 else 0.0] * W) for r in range(W)]
-        for ex in exs:
-            ex.connect([e.address for e in exs])
-        return exs
-
-    exs = build(2.0)
-    try:
+    with group(W, latency_s=lambda r: [2.0 if r == 2 else 0.0] * W) as exs:
         results = run_round(exs, rows, 0, deadline_s=0.3)
-    finally:
-        for ex in exs:
-            ex.close()
     up, down = masks(results)
     seg = seg_len(exs[0], torch.float32)
     nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
@@ -765,12 +757,8 @@ def test_emulated_latency_holds_datagrams_for_their_link() -> None:
     expected = reference(np.stack([r.numpy() for r in rows]), up, down, seg)
     np.testing.assert_allclose(np.stack([res[0].numpy() for res in results]), expected, rtol=1e-6)
 
-    exs = build(0.05)
-    try:
+    with group(W, latency_s=lambda r: [0.05 if r == 2 else 0.0] * W) as exs:
         results = run_round(exs, rows, 0, deadline_s=10.0)
-    finally:
-        for ex in exs:
-            ex.close()
     assert all(res[3].closed_by == ("complete", "complete") for res in results)
     mean = sum(rows) / W
     for res in results:
