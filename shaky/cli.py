@@ -254,7 +254,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     """One worker of a torchrun job: rank 0 picks the run directory and writes it; all ranks train."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from shaky.comm.dist import DistComm, broadcast_object, init_from_env, udp_comm  # noqa: PLC0415
+    from shaky.comm.dist import DistComm, LeftBehind, broadcast_object, init_from_env, udp_comm  # noqa: PLC0415
     from shaky.train import train  # noqa: PLC0415
 
     cfg = setup.cfg
@@ -293,7 +293,10 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
             summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
                             label=cfg.strategy.name, progress=not args.quiet, faults=_faults())
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
-        dist.barrier()
+        comm.barrier()
+    except LeftBehind as exc:
+        print(f"shaky: error: {exc}; last checkpoint: {_checkpoint_note(run_dir)}", file=sys.stderr)
+        return 3
     except (RuntimeError, dist.DistBackendError) as exc:
         found = comm.diagnose_failure(cfg.dist_timeout_s)
         who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else

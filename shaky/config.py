@@ -340,6 +340,9 @@ class DistConfig:
     """udp: UDP payload bytes of a full datagram (1472 fits a 1500-byte MTU); every rank the same."""
     send_rate_mbps: float = 0.0
     """udp: pace each rank's sending to this rate (0: unpaced)."""
+    heartbeat_timeout_s: float = 3.0
+    """udp: a rank whose heartbeat (a thread beating every 0.25 s in the rendezvous store) stops for this long is
+    declared dead, and the survivors train on without it (its blocks move to the next live rank)."""
     emulate_latency: bool = False
     """udp, for tests and benchmarks on one machine: hold every datagram for the network model's one-way latency
     of its link (network.latency_ms, or a preset's regions) before it leaves, an application-level delay line.
@@ -358,7 +361,7 @@ class DistConfig:
         if self.transport != "udp":
             defaults = DistConfig.__dataclass_fields__
             changed = [name for name in ("deadline_ms", "key_file", "ports", "host", "datagram_bytes",
-                                         "send_rate_mbps", "emulate_latency")
+                                         "send_rate_mbps", "emulate_latency", "heartbeat_timeout_s")
                        if getattr(self, name) != defaults[name].default]
             if changed:
                 raise ValueError(f"dist.{changed[0]} = {getattr(self, changed[0])!r} applies only with "
@@ -368,6 +371,7 @@ class DistConfig:
             raise ValueError(f"dist.datagram_bytes must be in [{UDP_OVERHEAD_BYTES + 8}, 65507], "
                              f"got {self.datagram_bytes}")
         _check_range("dist.send_rate_mbps", self.send_rate_mbps, 0.0, 1e9, hi_open=True)
+        _check_range("dist.heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0, 3600.0, lo_open=True)
         if not isinstance(self.emulate_latency, bool):
             raise TypeError(f"dist.emulate_latency must be true or false, got {self.emulate_latency!r}")
 

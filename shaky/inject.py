@@ -10,11 +10,12 @@ variable is the command line's way to make one (:meth:`FaultInjector.from_env`).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-KINDS = ("exit", "hang", "stop")
+KINDS = ("exit", "kill", "freeze", "term", "hang", "stop")
 ENV_VAR = "SHAKY_INJECT_FAULT"
 
 
@@ -25,8 +26,11 @@ class InterruptedRun(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Fault:
     kind: str
-    """exit: the process exits at once (status 17), as a crash would; hang: it stops answering, as a stuck
-    process would; stop: the run raises InterruptedRun (in-process tests of resume)."""
+    """exit: the process exits at once (status 17), as a crash would; kill: it sends itself SIGKILL, as the
+    kernel's OOM killer or ``kill -9`` would; freeze: it sends itself SIGSTOP (``kill -CONT`` wakes it up),
+    as a machine that stalls would; term: it sends itself SIGTERM (the run then stops after the step, with a
+    checkpoint, on every rank), as a scheduler's preemption would; hang: it stops answering, as a stuck process would; stop: the run
+    raises InterruptedRun (in-process tests of resume)."""
     step: int
     """The step before which it fires (so ``step`` steps have completed)."""
     rank: int | None = None
@@ -65,6 +69,11 @@ class FaultInjector:
                 raise InterruptedRun(f"stopped after step {step} (injected fault)")
             if fault.kind == "exit":
                 os._exit(17)
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind in ("freeze", "term"):
+                os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "freeze" else signal.SIGTERM)
+                return
             while True:  # hang: this rank stops answering, as a stuck process would
                 time.sleep(3600)
 

@@ -141,6 +141,8 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         if faults is not None:  # before on_step: a rank that fails at step s never reports reaching it
             faults.check(step, rank)
         comm.on_step(step)
+        for at, live in comm.take_membership():   # a real transport's survivors left a dead rank out
+            members.observe(at, live)
         rnd = Round(step, setup.network.sample(step), members.membership(step))
         if rnd.members.any_rejoined:  # a returning worker takes the live workers' average model and state
             was_live = members.live(step - 1).to(params.dtype)

@@ -332,6 +332,8 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
     ("network.compute_ms", math.nan, "network.compute_ms must be a finite number, got nan"),
     ("network.exchange_compute_ms", -1.0, "network.exchange_compute_ms must be in [0, inf), got -1.0"),
     ("network.exchange_compute_ms", math.inf, "network.exchange_compute_ms must be in [0, inf), got inf"),
+    ("dist.heartbeat_timeout_s", 5.0, "dist.heartbeat_timeout_s = 5.0 applies only with dist.transport = \"udp\" "
+                                      "(got 'gloo')"),
     ("dist.emulate_latency", True, "dist.emulate_latency = True applies only with dist.transport = \"udp\" "
                                    "(got 'gloo')"),
     ("data.dataset", "mnist", "data.dataset must be one of digits, iris, wine, breast_cancer, mnist1d, cifar10, "

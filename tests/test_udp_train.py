@@ -47,17 +47,18 @@ def _in_namespace(command: list[str], *, loss: float = 0.0, also: list[list[str]
 
 
 def test_a_real_lossy_udp_run_replays_in_the_simulator(tmp_path: Path) -> None:
-    """10% of the datagrams really lost, and rank 1 dies after step 30 (a checkpoint at 20): the run is
-    resumed and finishes, its trace holds what arrived (segment by segment) before and after the resume, and
-    the simulator replaying that trace ends at the same parameters (allclose 1e-5)."""
+    """10% of the datagrams really lost, and rank 1 is told to stop (SIGTERM, as a preemption) before step 30:
+    every rank stops after that step with a checkpoint, the run is resumed and finishes, its trace holds what
+    arrived (segment by segment) before and after the resume, and the simulator replaying that trace ends at
+    the same parameters (allclose 1e-5). (A rank that dies is tests/test_membership.py's.)"""
     out = tmp_path / "udp"
     args = ("--strategy", "rps", "--steps", "40", "--eval-every", "10", "--checkpoint-every", "20")
-    os.environ["SHAKY_INJECT_FAULT"] = "exit:1:30"
+    os.environ["SHAKY_INJECT_FAULT"] = "term:1:30"
     try:
         died = _in_namespace(_torchrun(out, *args), loss=0.1, cwd=tmp_path)
     finally:
         del os.environ["SHAKY_INJECT_FAULT"]
-    assert died.returncode != 0 and "rank 1 stopped answering" in died.stderr, died.stderr[-3000:]
+    assert died.returncode != 0 and "stopped by SIGTERM after step 31 of 40" in died.stderr, died.stderr[-3000:]
     done = _in_namespace(_torchrun(out, resume=True), loss=0.1, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = read_summary(out)

@@ -95,6 +95,11 @@ class Comm(Protocol):
         masks are drawn (the simulator, gloo), since the drawn ones are what applied."""
         ...
 
+    def take_membership(self) -> list[tuple[int, torch.Tensor]]:
+        """Membership changes a real transport's survivors agreed on since the last call, as (the step from
+        which it holds, bool [W] live); empty where the failure schedule is the membership."""
+        ...
+
     def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """What a real lossy transport counted over the run, summed over the ranks (a collective on the dist
         backend), added to ``before`` (the table at the checkpoint a run was resumed from); empty where the

@@ -22,10 +22,11 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,16 +100,35 @@ class DistComm:
         # heartbeat stopped are the ones that died (a kill -9, a crash, a SIGSTOP), whatever step they reached.
         self._beating = threading.Event()
         self._heartbeat = heartbeat
+        self.watching = False
+        """The heartbeat thread also notes when every other rank's heartbeat last moved (:meth:`silent_s`)."""
+        self._beats_seen: dict[int, tuple[int, float]] = {}
+        self._looked_at = 0.0
         if heartbeat:
             threading.Thread(target=self._beat, name="shaky-heartbeat", daemon=True).start()
 
     def _beat(self) -> None:
         key = f"shaky/beat/{self.rank}"
+        others = [r for r in range(self.num_workers) if r != self.rank]
         while not self._beating.wait(HEARTBEAT_S):
             try:
                 self._store.add(key, 1)
+                if self.watching:     # live membership: when each other rank's heartbeat last moved
+                    now = time.monotonic()
+                    for r in others:
+                        beat = int(self._store.add(f"shaky/beat/{r}", 0))
+                        if self._beats_seen.get(r, (None,))[0] != beat:
+                            self._beats_seen[r] = (beat, now)
+                    self._looked_at = now
             except RuntimeError:  # the store is gone (its host died, or the job ended)
                 return
+
+    def silent_s(self, rank: int) -> float:
+        """How long ``rank``'s heartbeat had not moved at this thread's last look (with :attr:`watching`; 0
+        before the first). Measured between two looks of this process, so a pause of this process (SIGSTOP, a
+        stalled machine) is not taken for silence of the others."""
+        seen = self._beats_seen.get(rank)
+        return 0.0 if seen is None else self._looked_at - seen[1]
 
     def close(self) -> None:
         """Stops the heartbeat and the exchange thread (before the process group is destroyed)."""
@@ -129,6 +149,14 @@ class DistComm:
     def take_observed(self) -> list[tuple[int, LinkSample]]:
         """Nothing on gloo: the drawn masks are the ones that applied."""
         return []
+
+    def take_membership(self) -> list[tuple[int, torch.Tensor]]:
+        """Nothing on gloo: a dead rank stops every rank (see :meth:`diagnose_failure`)."""
+        return []
+
+    def barrier(self) -> None:
+        """Every rank got here."""
+        dist.barrier()
 
     def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """What the data plane counted over the run, summed over the ranks (a collective): nothing on gloo."""
@@ -348,6 +376,89 @@ def local_address() -> str:
         return str(probe.getsockname()[0])
 
 
+class LeftBehind(RuntimeError):
+    """This rank was declared dead by the others (its heartbeat stopped for longer than the timeout, e.g. while
+    its process was frozen) and the run went on without it."""
+
+
+class _Quorum:
+    """The udp transport's control plane when ranks may die: rounds of small records in the rendezvous store.
+
+    Every live rank posts its record of a round. The first rank that finds every live rank's record, or the
+    heartbeat of every rank still missing stale for ``timeout_s``, writes the round's commit with
+    ``compare_set`` (the first writer wins): the ranks whose records count, which are the live ranks from then
+    on. Every rank adopts that commit, so each round ends with the same records and the same live set on every
+    survivor (torchft's quorum, with one store record in place of a lighthouse). A missing record costs nothing
+    until a wait of ``timeout_s / 2`` runs out; a rank is declared dead only when its heartbeat (a thread of its
+    own, independent of its training loop) has not moved for ``timeout_s``.
+    """
+
+    def __init__(self, silent_s: Callable[[int], float], rank: int, num_workers: int, prefix: str, timeout_s: float,
+                 store_timeout_s: float) -> None:
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            raise ValueError("live membership needs MASTER_ADDR and MASTER_PORT (the rendezvous store's address)")
+        # A client of its own: its waits block it, and the heartbeat thread must never wait behind them.
+        self._store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=store_timeout_s))
+        self._silent_s = silent_s
+        self.rank, self.prefix, self.timeout_s = rank, prefix, timeout_s
+        self.live: tuple[int, ...] = tuple(range(num_workers))
+        """The ranks alive as of the last round, the same on every survivor."""
+        self._seq = 0
+        self._live_key = f"{prefix}/live"
+        """The live ranks as of the last change (every survivor writes the same): a rank that wakes after the
+        rounds that left it out were cleaned away learns it here."""
+
+    def _left_behind(self) -> LeftBehind:
+        return LeftBehind(f"rank {self.rank} was declared dead by the others (its heartbeat stopped for more than "
+                          f"dist.heartbeat_timeout_s = {self.timeout_s:g} s) and the run went on without it")
+
+    def _check_still_live(self) -> None:
+        store = self._store
+        if store.check([self._live_key]) and \
+                str(self.rank) not in store.get(self._live_key).decode().split(","):
+            raise self._left_behind()
+
+    def round(self, record: bytes) -> dict[int, bytes]:
+        """Posts this rank's ``record`` and returns the records of the round's commit, by rank."""
+        store, key = self._store, f"{self.prefix}/{self._seq}"
+        self._seq += 1
+        store.set(f"{key}/{self.rank}", record)
+        commit = f"{key}/commit"
+        missing = [r for r in self.live if r != self.rank]
+        while missing:
+            # Wait for the records of the ranks whose heartbeat still moves, until the first of them would be
+            # stale: a wait runs out only when a rank is really suspect.
+            pending = [r for r in missing if self._silent_s(r) < self.timeout_s]
+            if not pending:
+                break                               # every rank still missing is dead
+            try:
+                until = max(0.05, min(self.timeout_s - self._silent_s(r) for r in pending))
+                store.wait([f"{key}/{r}" for r in pending], timedelta(seconds=until))
+                missing = [r for r in missing if r not in pending and not store.check([f"{key}/{r}"])]
+            except dist.DistStoreError:             # it ran out (the store itself raises other errors)
+                if store.check([commit]):
+                    break
+                self._check_still_live()            # a rank woken after the others left it out
+                missing = [r for r in missing if not store.check([f"{key}/{r}"])]
+        if missing:
+            self._check_still_live()
+        store.compare_set(commit, "", ",".join(str(r) for r in self.live if r not in missing))
+        included = tuple(int(r) for r in store.get(commit).decode().split(","))
+        if self.rank not in included:
+            raise self._left_behind()
+        if included != self.live:
+            store.set(self._live_key, ",".join(map(str, included)))
+        records = dict(zip(included, store.multi_get([f"{key}/{r}" for r in included]), strict=True))
+        if self._seq > 3:       # every survivor is past that round: its records are read
+            old = f"{self.prefix}/{self._seq - 4}"
+            store.delete_key(f"{old}/{self.rank}")
+            if self.rank == included[0]:
+                store.delete_key(f"{old}/commit")
+        self.live = included
+        return records
+
+
 class UdpDistComm(DistComm):
     """DistComm whose block averages travel as UDP datagrams (``shaky.comm.udp``): real loss, never resent.
 
@@ -363,7 +474,8 @@ class UdpDistComm(DistComm):
 
     def __init__(self, *, deadline_ms: float | None = None, key: bytes | None = None, ports: range | None = None,
                  host: str | None = None, options: UdpOptions | None = None, heartbeat: bool = False,
-                 announce: bool = True, lanes: int = 1, latency_s: list[float] | None = None) -> None:
+                 announce: bool = True, lanes: int = 1, latency_s: list[float] | None = None,
+                 heartbeat_timeout_s: float | None = None) -> None:
         """``deadline_ms``: a fixed phase deadline (None: adaptive; the first round, with no history, gets
         :func:`first_deadline_s` of its row). ``key``: 32 bytes
         (``load_key``); None: rank 0 makes one for this run and hands it out through the store, and every
@@ -373,6 +485,10 @@ class UdpDistComm(DistComm):
         socket of its own, driven by a thread of its own, so that the exchanges launched at consecutive
         steps overlap each other as well as the compute (their latencies pipeline). ``latency_s``: the
         one-way latency to emulate towards each rank (``UdpExchange``'s delay line; None: none).
+        ``heartbeat_timeout_s``: live membership (needs ``heartbeat``): the control plane (means, gathers, the
+        masks) goes through the rendezvous store in :class:`_Quorum` rounds instead of gloo, and a rank whose
+        heartbeat stops for this long is left out: the survivors go on (:meth:`take_membership`). None: gloo,
+        and a dead rank stops every rank, as on the gloo transport.
 
         Raises ValueError (the same on every rank, naming the rank) when a rank cannot bind a port, or the
         ranks' keys differ."""
@@ -394,6 +510,9 @@ class UdpDistComm(DistComm):
                       f"encrypted; give every node dist.key_file or {KEY_ENV} to keep it off the network",
                       file=sys.stderr, flush=True)
         fingerprint = hashlib.sha256(b"shaky key fingerprint\0" + key).hexdigest()[:16]
+        if heartbeat_timeout_s is not None and not (heartbeat and 0 < heartbeat_timeout_s < float("inf")):
+            raise ValueError(f"heartbeat_timeout_s must be a positive number of seconds with heartbeat=True, got "
+                             f"{heartbeat_timeout_s!r} (heartbeat={heartbeat})")
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"lanes must be an integer in [1, {MAX_LANES}], got {lanes!r}")
         exchanges: list[UdpExchange] = []
@@ -439,6 +558,13 @@ class UdpDistComm(DistComm):
         """The counters of the last exchange (this rank's)."""
         self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "closed_by_deadline": 0,
                         "repeated": 0, "grace_s": 0.0}
+        self._quorum = None if heartbeat_timeout_s is None else _Quorum(
+            self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, _world_timeout().total_seconds())
+        self.watching = self._quorum is not None
+        self._changes: list[tuple[int, torch.Tensor]] = []
+        self.membership_log: list[dict[str, object]] = []
+        """Each membership change: the step from which it holds, the live ranks, and how long the control round
+        that agreed on it took (most of it waiting for the dead rank's heartbeat to go stale)."""
         dist.barrier()
 
     @property
@@ -530,27 +656,86 @@ class UdpDistComm(DistComm):
         self._completed.append((step, self._observed))
         return new[None]
 
+    # ------------------------------------------------------------------ the control plane (gloo, or a quorum)
+
+    def _all_gather(self, x: torch.Tensor, *, fill: float | None) -> list[torch.Tensor]:
+        """Every rank's ``x`` (the same shape and dtype on every rank), in rank order. With live membership,
+        the ranks that are dead or were just left out give ``fill`` (None: the mean of the others' values)."""
+        if self._quorum is None:
+            parts = [torch.empty_like(x) for _ in range(self.num_workers)]
+            dist.all_gather(parts, x.contiguous())
+            return parts
+        live_before, t0 = self._quorum.live, time.perf_counter()
+        records = self._quorum.round(x.contiguous().numpy().tobytes())
+        if self._quorum.live != live_before:
+            live = torch.zeros(self.num_workers, dtype=torch.bool)
+            live[list(self._quorum.live)] = True
+            self._changes.append((self._step + 1, live))
+            self.membership_log.append({"step": self._step + 1, "live": list(self._quorum.live),
+                                        "round_s": round(time.perf_counter() - t0, 3)})
+        got = {r: torch.frombuffer(bytearray(b), dtype=x.dtype).view(x.shape) for r, b in records.items()}
+        stand_in = (torch.stack(list(got.values())).mean(dim=0) if fill is None
+                    else torch.full_like(x, fill))
+        return [got.get(r, stand_in) for r in range(self.num_workers)]
+
+    def take_membership(self) -> list[tuple[int, torch.Tensor]]:
+        """Membership changes the survivors agreed on since the last call: (the step from which it holds, bool
+        [W] live). Empty without live membership."""
+        done, self._changes = self._changes, []
+        return done
+
+    def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self._quorum is None:
+            return super().mean(x, weights)
+        parts = self._all_gather(x, fill=0)
+        live = list(self._quorum.live)
+        if weights is None:
+            total = sum(parts[r] for r in live)
+            return total / len(live)
+        w = weights.to(x.dtype)
+        total = sum(parts[r] * w[r] for r in live)
+        return total / w[live].sum()
+
+    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> Done:  # type: ignore[override]
+        if self._quorum is None:
+            return super().start_mean(x, weights)
+        return Done(self.mean(x, weights))
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """All workers' rows; with live membership a dead rank's row is the mean of the live ones (what it would
+        take when it rejoins)."""
+        if self._quorum is None:
+            return super().gather(x)
+        return torch.cat(self._all_gather(x, fill=None))
+
+    def barrier(self) -> None:
+        """Every live rank got here (a gloo barrier, or a quorum round)."""
+        if self._quorum is None:
+            dist.barrier()
+        else:
+            self._quorum.round(b"")
+
     def _gather_masks(self, up_obs: torch.Tensor, down_obs: torch.Tensor, proposal: float, step: int) -> LinkSample:
         """Every rank's observed masks as the run's [W, W, S] masks, and the agreed deadline of the next round."""
         w, nseg = up_obs.shape
         mine = torch.cat([up_obs.reshape(-1).to(torch.uint8), down_obs.reshape(-1).to(torch.uint8),
                           torch.frombuffer(bytearray(struct.pack("<d", proposal)), dtype=torch.uint8)])
-        parts = [torch.empty_like(mine) for _ in range(w)]
-        dist.all_gather(parts, mine)
+        parts = self._all_gather(mine, fill=0)
         every = torch.stack(parts)                                  # [rank, 2 W S + 8]
         n = w * nseg
         # Rank r's up_obs[i, k] is up[sender i, server r, k]; its down_obs[s, k] is down[server s, worker r, k].
         up = every[:, :n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
         down = every[:, n:2 * n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
-        self._deadline_s = max(struct.unpack("<d", bytes(p[2 * n:].tolist()))[0] for p in parts)
+        self._deadline_s = max(struct.unpack("<d", bytes(p[2 * n:].tolist()))[0] for p in parts if p[2 * n:].any())
         return LinkSample(step, up, down, self.segment_bytes)
 
-    def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
+    def transport_stats(self, before: dict[str, Any] | None = None) -> dict[str, Any]:
         """The run's datagram counters summed over the ranks (a collective), plus ``before`` (the same table
-        from the run's checkpoint, when it was resumed), and the observed loss rate 1 - received / expected."""
+        from the run's checkpoint, when it was resumed), the observed loss rate 1 - received / expected, and
+        with live membership the changes (:attr:`membership_log`)."""
         names = list(self._totals)
-        total = torch.tensor([float(self._totals[k]) for k in names], dtype=torch.float64)
-        dist.all_reduce(total)
+        total = torch.stack(self._all_gather(torch.tensor([float(self._totals[k]) for k in names],
+                                                          dtype=torch.float64), fill=0)).sum(dim=0)
         t = dict(zip(names, (v if k.endswith("_s") else int(v) for k, v in zip(names, total.tolist())), strict=True))
         out: dict[str, int | float] = {
             "datagrams_sent": t["sent"], "datagrams_received": t["received"], "datagrams_expected": t["expected"],
@@ -561,6 +746,8 @@ class UdpDistComm(DistComm):
                 out[key] += value if key.endswith("_s") else int(value)
         expected = out["datagrams_expected"]
         out["observed_loss"] = 1 - out["datagrams_received"] / expected if expected else 0.0
+        if self._quorum is not None:
+            out["membership_changes"] = [*(before or {}).get("membership_changes", []), *self.membership_log]
         return out
 
 
@@ -593,7 +780,7 @@ def udp_comm(settings: DistConfig, *, heartbeat: bool = False, lanes: int = 1,
     comm = UdpDistComm(deadline_ms=None if settings.deadline_ms == "adaptive" else float(settings.deadline_ms),
                        key=agreed_key(settings.key_file), ports=settings.port_range(), host=settings.host or None,
                        heartbeat=heartbeat, options=options, lanes=min(max(1, lanes), MAX_LANES),
-                       latency_s=latency_s)
+                       latency_s=latency_s, heartbeat_timeout_s=settings.heartbeat_timeout_s if heartbeat else None)
     warning = python_path_warning(options)
     if warning and comm.rank == 0:
         print(f"shaky: warning: {warning}", file=sys.stderr, flush=True)

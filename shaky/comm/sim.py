@@ -45,6 +45,10 @@ class SimComm:
         """Nothing: the masks that applied are the drawn ones."""
         return []
 
+    def take_membership(self) -> list[tuple[int, torch.Tensor]]:
+        """Nothing: the failure schedule is the membership."""
+        return []
+
     def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """Nothing: the simulator's losses are drawn, not observed."""
         return {}

@@ -78,6 +78,23 @@ class FailureSchedule:
         self.enabled = bool(failures)
         self._everyone = Membership.everyone(num_workers, sample_weights)
 
+    def observe(self, step: int, live: torch.Tensor) -> None:
+        """A membership change seen at run time (a real transport's survivors agreed on it): from ``step`` on,
+        exactly the workers in ``live`` (bool [W]) are alive, until the next change."""
+        was = self.live(step)
+        for worker in range(self.num_workers):
+            if was[worker] and not live[worker]:
+                self._spans.append((worker, step, None))
+            elif live[worker] and not was[worker]:
+                self._spans = [(w, a, step if w == worker and b is None and a <= step else b)
+                               for w, a, b in self._spans]
+        self.enabled = True
+
+    def failures(self) -> list[dict[str, int]]:
+        """The failures as ``failures`` entries of a config (``{worker, step[, rejoin]}``): a run's observed
+        membership changes, for the simulator to replay."""
+        return [{"worker": w, "step": a, **({} if b is None else {"rejoin": b})} for w, a, b in self._spans]
+
     def live(self, step: int) -> torch.Tensor:
         """bool [W]: who is alive at ``step``."""
         alive = torch.ones(self.num_workers, dtype=torch.bool)

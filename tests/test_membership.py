@@ -1,0 +1,134 @@
+"""Live membership on the udp transport: a rank that dies or freezes is left out and the survivors train on.
+
+Four processes are started the way torchrun starts them on four machines (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, one process each), without a local torchrun agent, which would kill the survivors itself. Faults
+are injected deterministically at a step (``SHAKY_INJECT_FAULT``): ``kill`` sends the rank SIGKILL, ``freeze``
+SIGSTOP. The data plane is UDP on 127.0.0.1 (nothing is lost on purpose); the control plane is the rendezvous
+store, hosted by rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import free_port, make_config, run
+
+WORKERS = 4
+ARGS = ["--backend", "dist", "--transport", "udp", "--workers", str(WORKERS), "--steps", "60", "--eval-every",
+        "10", "--checkpoint-every", "20", "--quiet", "--set", "network.compute_ms=1.0"]
+
+
+def _launch(args: list[str], cwd: Path, fault: str) -> list[subprocess.Popen]:
+    port = str(free_port())
+    procs = []
+    for rank in range(WORKERS):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORKERS), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "SHAKY_INJECT_FAULT": fault,
+               "SHAKY_KEY": "a test key of at least sixteen bytes"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "shaky", "train", *args], cwd=cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    out = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            out.append((p.returncode, err))
+    finally:
+        for p in procs:
+            p.kill()
+    return out
+
+
+def _simulated(tmp_path: Path, **config) -> dict:
+    summary, _, _ = run(make_config(num_workers=WORKERS, steps=60, eval_every=10, batch_size=32,
+                                    network={"compute_ms": 1.0}, **config), tmp_path / "sim")
+    return summary
+
+
+def test_survivors_of_a_sigkill_train_on(tmp_path: Path) -> None:
+    """Rank 2 is killed with SIGKILL before step 25: the three survivors leave it out at one round boundary,
+    serve its block, finish all 60 steps with exit status 0 and end within a point of the simulator's run
+    with the failure {worker = 2, step = 25}."""
+    run_dir = tmp_path / "run"
+    procs = _launch([*ARGS, "--out", str(run_dir)], tmp_path, fault="kill:2:25")
+    results = _finish(procs, timeout=180)
+    assert results[2][0] == -signal.SIGKILL
+    for rank in (0, 1, 3):
+        code, err = results[rank]
+        assert code == 0, f"rank {rank}: {err[-2000:]}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 60 and summary["live_workers"] == 3
+    changes = summary["udp"]["membership_changes"]
+    assert [(c["step"], c["live"]) for c in changes] == [(26, [0, 1, 3])], changes
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["live_workers"] for r in rows] == [4, 4, 4, 3, 3, 3, 3]
+    simulated = _simulated(tmp_path, failures=[{"worker": 2, "step": 25}])
+    assert abs(summary["final_test_accuracy"] - simulated["final_test_accuracy"]) <= 0.01, (summary, simulated)
+
+
+def test_a_frozen_rank_is_left_out_and_told_so_when_it_wakes(tmp_path: Path) -> None:
+    """Rank 2 freezes itself (SIGSTOP) before step 25 and is woken once the others are done: the survivors
+    finish (its heartbeat stopped, so it was left out after dist.heartbeat_timeout_s, never a transport
+    timeout), and the woken rank stops with one line saying that it was declared dead, status 3."""
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "--steps", "400", "--checkpoint-every", "100", "--out", str(run_dir)]
+    procs = _launch(args, tmp_path, fault="freeze:2:25")
+    try:
+        # Woken once the others have left it out (a metrics row with 3 live workers) and still train.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _rows_with(run_dir, live_workers=3):
+            time.sleep(0.05)
+        assert _rows_with(run_dir, live_workers=3), "the survivors never left the frozen rank out"
+    finally:
+        procs[2].send_signal(signal.SIGCONT)
+    (code, err), = _finish([procs[2]], timeout=60)
+    survivors = _finish([procs[r] for r in (0, 1, 3)], timeout=180)
+    for survivor_code, survivor_err in survivors:
+        assert survivor_code == 0, survivor_err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("shaky: error:")]
+    assert code == 3 and len(lines) == 1, err[-2000:]
+    assert "rank 2 was declared dead by the others" in lines[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 400 and summary["live_workers"] == 3
+
+
+def _rows_with(run_dir: Path, **values) -> list[dict]:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:      # a line being written
+            continue
+    return [r for r in rows if all(r.get(k) == v for k, v in values.items())]
+
+
+def test_ri_sgd_with_redundancy_keeps_its_coverage_through_two_failures(tmp_path: Path) -> None:
+    """RI-SGD with q = 3 of the 4 chunks per worker: ranks 1 and 3 are killed (steps 20 and 40), the other two
+    still hold every training sample (coverage 1.0), and the run ends within a point of the same run without
+    failures (simulated)."""
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "--strategy", "ri-sgd", "--set", "strategy.redundancy=3", "--set", "strategy.period=4"]
+    procs = _launch([*args, "--out", str(run_dir)], tmp_path, fault="kill:1:20,kill:3:40")
+    results = _finish(procs, timeout=180)
+    for rank in (0, 2):
+        assert results[rank][0] == 0, results[rank][1][-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["live_workers"] == 2 and summary["coverage"] == 1.0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["live_workers"] for r in rows] == [4, 4, 4, 3, 3, 2, 2]
+    assert all(r["coverage"] == 1.0 for r in rows)
+    clean = _simulated(tmp_path, strategy={"name": "ri-sgd", "redundancy": 3, "period": 4})
+    assert abs(summary["final_test_accuracy"] - clean["final_test_accuracy"]) <= 0.01, (summary, clean)
