@@ -768,3 +768,29 @@ def test_emulated_latency_holds_datagrams_for_their_link() -> None:
                      ([0.0, float("nan"), 0.0], r"latency_s\[1\]")):
         with pytest.raises(ValueError, match=why):
             UdpExchange(rank=0, num_workers=W, key=KEY, run_id=RUN, host="127.0.0.1", ports=PORTS, latency_s=bad)
+
+
+def test_a_rank_of_weight_0_is_out_of_the_round() -> None:
+    """A dead rank (weight 0, its block served by the next rank) takes no part: the three others neither wait
+    for it nor send it anything, every phase completes, what each sent is what the others counted as expected
+    and received, and the result is RPS's rule over the live ranks."""
+    W, D = 4, 1000
+    rows = [torch.arange(D, dtype=torch.float32) * (r + 1) for r in range(W)]
+    weights, servers = torch.tensor([1.0, 1.0, 0.0, 1.0]), [0, 1, 3, 3]
+    with group(W) as exs:
+        results: dict = {}
+
+        def go(r: int) -> None:
+            results[r] = exs[r].block_average(rows[r], 0, deadline_s=10.0, weights=weights, servers=servers)
+
+        threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in (0, 1, 3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(ROUND_TIMEOUT_S)
+    stats = [results[r][3] for r in (0, 1, 3)]
+    assert all(st.closed_by == ("complete", "complete") for st in stats)
+    assert sum(st.sent for st in stats) == sum(sum(st.expected) for st in stats) == sum(st.received for st in stats)
+    mean = (rows[0] + rows[1] + rows[3]) / 3
+    for r in (0, 1, 3):
+        torch.testing.assert_close(results[r][0], mean)

@@ -543,8 +543,9 @@ class UdpExchange:
                 length and dtype).
             round: the exchange's number; strictly increasing from call to call, the same on every rank.
             deadline_s: each phase closes at the latest this many seconds after it started.
-            weights: [W] each sender's weight in the servers' averages (None: equal). A sender of
-                weight 0 is not waited for (its data would count for nothing).
+            weights: [W] each sender's weight in the servers' averages (None: equal). A rank of weight 0
+                is out of the round (a dead worker): it is not waited for (its data would count for
+                nothing) and no average is sent to it.
             servers: [W] the rank serving each block (None: rank j serves block j); the same on every rank.
             out: where to write the result (1-D like ``row``, not overlapping it); None: a new tensor.
 
@@ -596,7 +597,7 @@ class UdpExchange:
             avg = res[state.starts[j]:state.starts[j] + state.sizes[j]]
             state.average(j, up_obs, avg)
             arr = self._pack(("p2", j), 2, j, state, avg)
-            jobs2.extend((r, j, arr) for r in _rotation(me, W))
+            jobs2.extend((r, j, arr) for r in _rotation(me, W) if w is None or w[r] != 0)
         t2 = time.perf_counter()
 
         # Phase 2: my averages to every rank, interleaved with receiving the other servers'.
@@ -1082,9 +1083,10 @@ class _Round:
         # Who is waited for: every other rank that sends me something (phase 1: not a sender of weight 0).
         per_sender1 = sum(self.nseg[j] for j in self.served)
         self.exp1 = [0 if i == me or (weights is not None and weights[i] == 0) else per_sender1 for i in range(W)]
-        self.exp2 = [0 if s == me else sum(self.nseg[j] for j in range(W) if srv[j] == s) for s in range(W)]
+        out = weights is not None and weights[me] == 0     # this rank is out of the round: it gets nothing
+        self.exp2 = [0 if s == me or out else sum(self.nseg[j] for j in range(W) if srv[j] == s) for s in range(W)]
         self.progress = {1: _Progress(self.exp1), 2: _Progress(self.exp2)}
-        self.expected1 = (W - 1) * per_sender1
+        self.expected1 = sum(self.exp1)
         self.expected2 = sum(self.exp2)
 
     def finished(self) -> _Round:
