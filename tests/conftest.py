@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,6 +78,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch_ranks(args: list[str], cwd: Path, fault: str = "", workers: int = 4,
+                 env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """``workers`` processes of ``shaky train args`` started the way torchrun starts them on as many machines
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without a local agent that would kill the survivors of a
+    failure itself; ``fault`` is SHAKY_INJECT_FAULT."""
+    port = str(free_port())
+    procs = []
+    for rank in range(workers):
+        rank_env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+                    "SHAKY_INJECT_FAULT": fault, **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, "-m", "shaky", "train", *args], cwd=cwd, env=rank_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    """Each process's exit status and stderr, in order; every one of them is killed on the way out."""
+    out = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            out.append((p.returncode, err))
+    finally:
+        for p in procs:
+            p.kill()
+    return out
 
 
 def train_by_hand(cfg: RunConfig, make_opt: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *,

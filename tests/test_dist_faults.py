@@ -9,42 +9,24 @@ SHAKY_INJECT_FAULT=exit:2:25 makes rank 2 exit when it reaches step 25.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port, make_config, run
+from conftest import finish, launch_ranks, make_config, run
 
 ARGS = ["--workers", "4", "--steps", "60", "--eval-every", "10", "--checkpoint-every", "10", "--quiet",
         "--set", "network.compute_ms=1.0"]
 
 
 def _launch(args: list[str], cwd: Path, fault: str = "") -> list[subprocess.Popen]:
-    port = str(free_port())
-    procs = []
-    for rank in range(4):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "SHAKY_INJECT_FAULT": fault}
-        procs.append(subprocess.Popen([sys.executable, "-m", "shaky", "train", *args], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+    return launch_ranks(args, cwd, fault)
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    out = []
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=timeout)
-            out.append((p.returncode, err))
-    finally:
-        for p in procs:
-            p.kill()
-    return out
+_finish = finish
 
 
 @pytest.mark.parametrize("fault", ["exit", "hang"])

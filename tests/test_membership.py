@@ -10,14 +10,12 @@ store, hosted by rank 0.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from conftest import free_port, make_config, run
+from conftest import finish, launch_ranks, make_config, run
 
 WORKERS = 4
 ARGS = ["--backend", "dist", "--transport", "udp", "--workers", str(WORKERS), "--steps", "60", "--eval-every",
@@ -25,27 +23,10 @@ ARGS = ["--backend", "dist", "--transport", "udp", "--workers", str(WORKERS), "-
 
 
 def _launch(args: list[str], cwd: Path, fault: str) -> list[subprocess.Popen]:
-    port = str(free_port())
-    procs = []
-    for rank in range(WORKERS):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORKERS), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "SHAKY_INJECT_FAULT": fault,
-               "SHAKY_KEY": "a test key of at least sixteen bytes"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "shaky", "train", *args], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+    return launch_ranks(args, cwd, fault, WORKERS, env={"SHAKY_KEY": "a test key of at least sixteen bytes"})
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    out = []
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=timeout)
-            out.append((p.returncode, err))
-    finally:
-        for p in procs:
-            p.kill()
-    return out
+_finish = finish
 
 
 def _simulated(tmp_path: Path, **config) -> dict:
