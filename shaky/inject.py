@@ -29,8 +29,8 @@ class Fault:
     """exit: the process exits at once (status 17), as a crash would; kill: it sends itself SIGKILL, as the
     kernel's OOM killer or ``kill -9`` would; freeze: it sends itself SIGSTOP (``kill -CONT`` wakes it up),
     as a machine that stalls would; term: it sends itself SIGTERM (the run then stops after the step, with a
-    checkpoint, on every rank), as a scheduler's preemption would; hang: it stops answering, as a stuck process would; stop: the run
-    raises InterruptedRun (in-process tests of resume)."""
+    checkpoint, on every rank), as a scheduler's preemption would; hang: it stops answering, as a stuck
+    process would; stop: the run raises InterruptedRun (in-process tests of resume)."""
     step: int
     """The step before which it fires (so ``step`` steps have completed)."""
     rank: int | None = None

@@ -35,8 +35,10 @@ def test_failed_rank_is_named_and_resume_finishes(fault: str, tmp_path: Path) ->
     procs = _launch(["--backend", "dist", *ARGS, "--set", "dist_timeout_s=5", "--out", str(run_dir)], tmp_path,
                     fault=f"{fault}:2:25")
     survivors = [procs[r] for r in (0, 1, 3)]
-    results = _finish(survivors, timeout=90)        # the injected hang would outlast this: it is killed after
-    procs[2].kill()
+    try:
+        results = _finish(survivors, timeout=90)    # the injected hang would outlast this: it is killed after
+    finally:
+        procs[2].kill()                             # also when the survivors fail: no rank outlives the test
     for code, err in results:
         lines = [line for line in err.splitlines() if line.startswith("shaky: error:")]
         assert code == 3 and len(lines) == 1, err[-1500:]
