@@ -64,18 +64,17 @@ def _world_timeout() -> timedelta:
         return dist.default_pg_timeout
 
 
-class _Background:
-    """A gloo block average running in the exchange thread; ``wait()`` gives its result."""
+class _InFlight:
+    """An exchange running in a thread of its comm; ``wait()`` gives its result: the first call completes it
+    (``complete(future)``: waits, counts, and on udp gathers the masks), later calls return the same tensor."""
 
-    def __init__(self, comm: DistComm, future: Future) -> None:
-        self._comm, self._future = comm, future
+    def __init__(self, future: Future, complete: Callable[[Future], torch.Tensor]) -> None:
+        self._future, self._complete = future, complete
         self._value: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._value is None:
-            t0 = time.perf_counter()
-            self._value = self._future.result()
-            self._comm.wait_s += time.perf_counter() - t0
+            self._value = self._complete(self._future)
         return self._value
 
 
@@ -212,17 +211,24 @@ class DistComm:
 
     def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                             weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
-                            overwrite: bool = False) -> _Background:
+                            overwrite: bool = False) -> _InFlight:
         """:meth:`block_average`, in the background: a thread runs its two phases on a process group of their
         own, in launch order (the default group's collectives, such as the loss mean and evaluation, go on
         meanwhile), and ``wait()`` blocks only for what has not arrived. The first call creates that group, a
-        collective: every rank starts its exchanges at the same steps, as a schedule makes them."""
+        collective: every rank starts its exchanges at the same steps, as a schedule makes them. Unless the
+        caller gives ``x`` up (``overwrite``), the thread reads a copy of it."""
         if self._data is None:
             self._data = dist.new_group(backend=dist.get_backend(), timeout=_world_timeout())
             self._data_thread = ThreadPoolExecutor(1, thread_name_prefix="shaky-exchange")
-        future = self._data_thread.submit(self._block_average, x.clone(), up, down, weights, servers,
-                                          self._data, "background")
-        return _Background(self, future)
+        future = self._data_thread.submit(self._block_average, x if overwrite else x.clone(), up, down, weights,
+                                          servers, self._data, "background")
+        return _InFlight(future, self._waited)
+
+    def _waited(self, future: Future) -> torch.Tensor:
+        t0 = time.perf_counter()
+        value = future.result()
+        self.wait_s += time.perf_counter() - t0
+        return value
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """All workers' rows, [W, ...], on every rank (for checkpoints)."""
@@ -300,19 +306,6 @@ class DistComm:
         return out[None]
 
 
-class _InFlight:
-    """A udp exchange running in its lane's thread; ``wait()`` gives its result (the first call completes it)."""
-
-    def __init__(self, comm: UdpDistComm, future: Future, step: int) -> None:
-        self._comm, self._future, self.step = comm, future, step
-        self._value: torch.Tensor | None = None
-
-    def wait(self) -> torch.Tensor:
-        if self._value is None:
-            self._value = self._comm._complete(self._future, self.step)
-        return self._value
-
-
 MAX_LANES = 64
 """The most udp exchanges one run may have in flight at once (sockets and threads per rank)."""
 
@@ -388,9 +381,10 @@ class _Quorum:
     heartbeat of every rank still missing stale for ``timeout_s``, writes the round's commit with
     ``compare_set`` (the first writer wins): the ranks whose records count, which are the live ranks from then
     on. Every rank adopts that commit, so each round ends with the same records and the same live set on every
-    survivor (torchft's quorum, with one store record in place of a lighthouse). A missing record costs nothing
-    until a wait of ``timeout_s / 2`` runs out; a rank is declared dead only when its heartbeat (a thread of its
-    own, independent of its training loop) has not moved for ``timeout_s``.
+    survivor (torchft's quorum, with one store record in place of a lighthouse). A rank waits on the store for
+    the missing records only until the first of their ranks could be stale, so the common round is one
+    ``wait`` with no polling; a rank is declared dead only when its heartbeat (a thread of its own, independent
+    of its training loop) has not moved for ``timeout_s``.
     """
 
     def __init__(self, silent_s: Callable[[int], float], rank: int, num_workers: int, prefix: str, timeout_s: float,
@@ -467,7 +461,8 @@ class UdpDistComm(DistComm):
     round: the result follows RPS's rule on what really arrived, and the masks of every rank are gathered
     over gloo afterwards (:attr:`observed`, in the simulator's [W, W, S] layout, for the run's trace).
     The same gather carries each rank's deadline proposal for the next round, so the ranks agree on it
-    (the largest proposal) without another collective. Means, gathers and checkpoints stay on gloo.
+    (the largest proposal) without another collective. Means, gathers and checkpoints stay on gloo, unless
+    ``heartbeat_timeout_s`` moves them, the masks included, to the rendezvous store (live membership).
     """
 
     _instances = 0   # per process: every rank builds its comms in the same order, so the store keys agree
@@ -603,8 +598,9 @@ class UdpDistComm(DistComm):
                             overwrite: bool = False, segment_bytes: int = 0) -> _InFlight:
         """:meth:`block_average`, launched in the background: the exchange runs in its lane's thread while the
         caller computes, and ``wait()`` blocks only for what has not arrived yet (then gathers the masks, a
-        collective: every rank waits for its handles in the same order, as a schedule makes them)."""
-        return self._launch(x, weights, servers, segment_bytes, copy=True)
+        collective: every rank waits for its handles in the same order, as a schedule makes them). Unless the
+        caller gives ``x`` up (``overwrite``), the lane reads a copy of it."""
+        return self._launch(x, weights, servers, segment_bytes, copy=not overwrite)
 
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
@@ -631,7 +627,8 @@ class UdpDistComm(DistComm):
         future = self._threads[self._round % len(self.exchanges)].submit(
             lane.block_average, row, self._round, deadline_s=deadline, weights=weights, servers=servers)
         self._round += 1
-        return _InFlight(self, future, self._step)
+        step = self._step
+        return _InFlight(future, lambda done: self._complete(done, step))
 
     def _complete(self, future: Future, step: int) -> torch.Tensor:
         """The result of the exchange launched at ``step``: waits for it, counts it, gathers every rank's
@@ -674,8 +671,9 @@ class UdpDistComm(DistComm):
             self.membership_log.append({"step": self._step + 1, "live": list(self._quorum.live),
                                         "round_s": round(time.perf_counter() - t0, 3)})
         got = {r: torch.frombuffer(bytearray(b), dtype=x.dtype).view(x.shape) for r, b in records.items()}
-        stand_in = (torch.stack(list(got.values())).mean(dim=0) if fill is None
-                    else torch.full_like(x, fill))
+        if len(got) == self.num_workers:
+            return [got[r] for r in range(self.num_workers)]
+        stand_in = torch.stack(list(got.values())).mean(dim=0) if fill is None else torch.full_like(x, fill)
         return [got.get(r, stand_in) for r in range(self.num_workers)]
 
     def take_membership(self) -> list[tuple[int, torch.Tensor]]:

@@ -90,11 +90,6 @@ class FailureSchedule:
                                for w, a, b in self._spans]
         self.enabled = True
 
-    def failures(self) -> list[dict[str, int]]:
-        """The failures as ``failures`` entries of a config (``{worker, step[, rejoin]}``): a run's observed
-        membership changes, for the simulator to replay."""
-        return [{"worker": w, "step": a, **({} if b is None else {"rejoin": b})} for w, a, b in self._spans]
-
     def live(self, step: int) -> torch.Tensor:
         """bool [W]: who is alive at ``step``."""
         alive = torch.ones(self.num_workers, dtype=torch.bool)
