@@ -73,6 +73,11 @@ class BadInput(Exception):
     """User input the CLI reports in one line with exit status 2."""
 
 
+class AloneBadInput(BadInput):
+    """Bad input of one process alone (a rank started again for a dead one): it says it itself, whatever its
+    rank."""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors as one line and exit status 2 like every other bad input."""
 
@@ -187,9 +192,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg, run_dir = _train_config(args)
+        joining = _joining() if cfg.backend == "dist" else None
+        if joining is None:
+            _check_out(args)
         setup = prepare(cfg, measure=cfg.backend != "dist")  # dist: rank 0 measures alone (_train_dist)
     except (ValueError, TypeError) as exc:
         raise BadInput(str(exc)) from None
+    if joining is not None:
+        return _rejoin_dist(args, setup, joining)
     if cfg.backend == "dist":
         return _train_dist(args, setup, run_dir)
     _claim_run_dir(run_dir, resume=bool(args.resume))
@@ -250,11 +260,80 @@ def _checkpoint_note(run_dir: Path, command: str = "torchrun ... -m shaky train"
     return f"{path} at step {step}; resume with `{command} --resume {run_dir}`"
 
 
+def _joining() -> Any:
+    """A process of a torchrun-style job (RANK > 0) started again for a rank that died: the run in progress
+    at MASTER_ADDR:MASTER_PORT (``shaky.comm.dist.run_in_progress``), else None."""
+    if "RANK" not in os.environ or os.environ.get("RANK") == "0" or "MASTER_PORT" not in os.environ:
+        return None
+    from shaky.comm.dist import run_in_progress  # noqa: PLC0415
+    from shaky.config import RunConfig  # noqa: PLC0415
+
+    return run_in_progress(RunConfig().dist_timeout_s)
+
+
+def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
+    """A process started again for a dead rank of a udp run: the survivors take it back at a step's start and it
+    trains on with them; it never writes the run directory (rank 0 does)."""
+    from shaky.comm.dist import LeftBehind, NotTakenBack, udp_comm  # noqa: PLC0415
+    from shaky.config import to_dict  # noqa: PLC0415
+    from shaky.train import train  # noqa: PLC0415
+
+    cfg, record, rank = setup.cfg, joining.record, joining.rank
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if record.get("transport") != "udp":
+        raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: it uses the "
+                       f"{record.get('transport')} transport, on which a failure stops every rank "
+                       "(resume it from its checkpoint; --transport udp keeps training through failures)")
+    differs = _first_difference(json.loads(json.dumps(to_dict(cfg))), record["config"])
+    if differs is not None:
+        name, mine, theirs = differs
+        raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: its {name} is {mine!r}, the "
+                       f"run's is {theirs!r} (start it with the run's command line)")
+    run_dir = Path(record["run_dir"])
+    setup.compute_ms = float(record["compute_ms"])
+    slots = setup.strategy.exchange.schedule.slots
+    try:
+        comm = udp_comm(cfg.dist, heartbeat=True, lanes=slots + 1 if slots else 1,
+                        latency_ms=setup.network.latency_ms.tolist(), joining=joining)
+    except ValueError as exc:
+        raise AloneBadInput(str(exc)) from None
+    try:
+        if not args.quiet:
+            print(f"shaky: rank {rank}: waiting to be taken back into the run in progress at {where} "
+                  f"({run_dir})", file=sys.stderr, flush=True)
+        welcome = comm.await_welcome(cfg.dist_timeout_s)
+        if not args.quiet:
+            print(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}", file=sys.stderr,
+                  flush=True)
+        with _stopping(run_dir, "torchrun ... -m shaky train", writer=False):
+            train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
+                  faults=_faults(), welcome=welcome)
+        comm.barrier()
+    except (LeftBehind, NotTakenBack) as exc:
+        print(f"shaky: error: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        comm.close()
+    return 0
+
+
+def _first_difference(mine: Any, theirs: Any, name: str = "") -> tuple[str, Any, Any] | None:
+    """The first setting (dotted name) whose value differs between two configs' dicts, or None."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for key in sorted({*mine, *theirs}):
+            found = _first_difference(mine.get(key), theirs.get(key), f"{name}.{key}" if name else key)
+            if found is not None:
+                return found
+        return None
+    return None if mine == theirs else (name, mine, theirs)
+
+
 def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     """One worker of a torchrun job: rank 0 picks the run directory and writes it; all ranks train."""
     import torch.distributed as dist  # noqa: PLC0415
 
     from shaky.comm.dist import DistComm, LeftBehind, broadcast_object, init_from_env, udp_comm  # noqa: PLC0415
+    from shaky.config import to_dict  # noqa: PLC0415
     from shaky.train import train  # noqa: PLC0415
 
     cfg = setup.cfg
@@ -288,10 +367,15 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     writer = comm.rank == 0
     if writer:
         _claim_run_dir(run_dir, resume=bool(args.resume))
+        # What a process started again for a dead rank needs (udp takes it back; gloo says it cannot).
+        comm.publish_run({"run_dir": str(run_dir.resolve()), "compute_ms": setup.compute_ms,
+                          "config": to_dict(cfg), "transport": cfg.dist.transport})
     try:
         with _stopping(run_dir, "torchrun ... -m shaky train", writer=writer):
             summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
                             label=cfg.strategy.name, progress=not args.quiet, faults=_faults())
+        if writer:
+            comm.end_run()
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
         comm.barrier()
     except LeftBehind as exc:
@@ -327,17 +411,21 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
         cfg = load_run_config(run_dir)
     else:
         cfg = config_from_dict(_absolute_paths(_config_values(args)))
-        if args.out:
-            run_dir = Path(args.out)
-            if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-                raise BadInput(f"--out {str(run_dir)!r} already exists and is not empty; "
-                               "pick another directory or --resume it")
-            blocker = next((p for p in run_dir.parents if p.exists() and not p.is_dir()), None)
-            if blocker is not None:
-                raise BadInput(f"--out {str(run_dir)!r} cannot be created: {str(blocker)!r} is a file")
-        else:
-            run_dir = new_run_dir(_default_out(cfg))
+        run_dir = Path(args.out) if args.out else new_run_dir(_default_out(cfg))
     return cfg, run_dir
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """``--out`` names a directory a new run can be written to (a rank taken back writes none: not checked)."""
+    if args.resume or not args.out:
+        return
+    run_dir = Path(args.out)
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise BadInput(f"--out {str(run_dir)!r} already exists and is not empty; "
+                       "pick another directory or --resume it")
+    blocker = next((p for p in run_dir.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise BadInput(f"--out {str(run_dir)!r} cannot be created: {str(blocker)!r} is a file")
 
 
 def _absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
@@ -668,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every user-input check runs before a run directory exists; errors
         # raised later are bugs and keep their traceback. Under torchrun every rank finds the same bad
         # input: rank 0 says it, once.
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0" or isinstance(exc, AloneBadInput):
             print(f"shaky: error: {exc}", file=sys.stderr)
         elif "TORCHELASTIC_RUN_ID" in os.environ:
             # torchrun stops every rank when the first one exits: leave rank 0 the time to say it.

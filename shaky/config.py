@@ -400,6 +400,10 @@ class FailureConfig:
     """The first step it misses: from here on it neither computes nor sends."""
     rejoin: int = -1
     """The step at which it comes back with the live workers' average model; -1 = never."""
+    restart: bool = False
+    """It comes back as a new process (its memory lost): it also takes the live workers' average of the rest of
+    its strategy state (momentum, moments), not only of the model. What a udp run's restarted rank does; false:
+    it comes back with its own state, as a worker cut off by the network would."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -526,6 +530,8 @@ class RunConfig:
             if f.rejoin != -1 and f.rejoin <= f.step:
                 raise ValueError(f"{name}.rejoin ({f.rejoin}) must come after its failure step ({f.step}), "
                                  "or be -1 for never")
+            if f.restart and f.rejoin == -1:
+                raise ValueError(f"{name}.restart is true but the worker never rejoins (rejoin = -1)")
             end = f.rejoin if f.rejoin != -1 else self.steps
             for start, stop in down.get(f.worker, []):
                 if f.step < stop and start < end:

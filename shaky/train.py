@@ -26,7 +26,7 @@ from shaky.data import shard_summary
 from shaky.inject import FaultInjector, InterruptedRun
 from shaky.interrupt import SignalWatch, Stopped
 from shaky.network.clock import Clock, ClockState
-from shaky.network.faults import FailureSchedule, Round
+from shaky.network.faults import FailureSchedule, Membership, Round
 from shaky.network.model import LinkSample, MaskLog, TraceNetwork, load_trace, save_trace
 from shaky.progress import Progress
 from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, append_metrics, create, load_checkpoint,
@@ -35,7 +35,7 @@ from shaky.sampler import BatchSampler
 from shaky.setup import Setup, evaluate, gradient_diversity, prepare
 from shaky.strategies import AverageModels, Strategy, sample_weights
 from shaky.strategies.exchange import StepStats, observed
-from shaky.strategies.state import map_rows, map_synced, zip_rows
+from shaky.strategies.state import map_rejoined, map_rows, map_synced, zip_rows
 from shaky.vectorized import FusedGradFn
 
 __all__ = ["CHECKPOINT_FILE", "SHARDS_FILE", "BatchSampler", "InterruptedRun", "can_fuse", "load_run_config",
@@ -95,8 +95,12 @@ def _mark(marks: list[float] | None) -> None:
 
 
 def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool = False, writer: bool = True,
-          label: str = "train", progress: bool = True, faults: FaultInjector | None = None) -> dict[str, Any]:
+          label: str = "train", progress: bool = True, faults: FaultInjector | None = None,
+          welcome: dict[str, Any] | None = None) -> dict[str, Any]:
     """Runs (or resumes) training into ``run_dir`` and returns the summary.
+
+    ``welcome``: this process was started again for a dead rank and taken back by the survivors
+    (``UdpDistComm.await_welcome``): it goes on from their state at the step they took it back.
 
     SIGINT and SIGTERM (in the main thread) stop the run after the step in progress, with a checkpoint:
     :class:`shaky.interrupt.Stopped` is raised, and ``--resume`` continues as if nothing had happened.
@@ -111,7 +115,10 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms,
                   exchange_compute_ms=cfg.network.exchange_compute_ms)
     masks = _Masks(MaskLog(cfg.num_workers, cfg.steps), observing=_observes_losses(cfg))
-    params, state, counters = _start(setup, run_dir, comm, clock, masks, resume=resume, writer=writer)
+    if welcome is not None:
+        params, state, counters = _rejoin(setup, welcome, clock, masks, members)
+    else:
+        params, state, counters = _start(setup, run_dir, comm, clock, masks, resume=resume, writer=writer)
     t_start = time.perf_counter()
     bar = Progress(cfg.steps, counters.step, label, progress and writer)
     metrics = _Metrics(setup, members, comm, run_dir, bar, writer, counters, t_start)
@@ -124,7 +131,10 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     _checkpoint(setup, run_dir, comm, params, state, counters, clock, masks, writer, t_start, trace=True,
                 transport_before=metrics.transport_before)
     # transport_stats is a collective on the dist backend: every rank calls it.
-    summary = metrics.summary(udp=comm.transport_stats(metrics.transport_before))
+    udp = comm.transport_stats(metrics.transport_before)
+    if udp.get("membership_changes"):   # the run's membership as failures, which the simulator replays
+        udp["failures"] = members.failures
+    summary = metrics.summary(udp=udp)
     if writer:
         summary.write(run_dir)
     return summary.to_dict()
@@ -141,14 +151,12 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         if faults is not None:  # before on_step: a rank that fails at step s never reports reaching it
             faults.check(step, rank)
         comm.on_step(step)
-        for at, live in comm.take_membership():   # a real transport's survivors left a dead rank out
+        state = _welcome(comm.take_admitted(), comm, members, clock, masks, counters, state)
+        for at, live in comm.take_membership():   # a real transport's survivors left a dead rank out or took one back
             members.observe(at, live)
         rnd = Round(step, setup.network.sample(step), members.membership(step))
         if rnd.members.any_rejoined:  # a returning worker takes the live workers' average model and state
-            was_live = members.live(step - 1).to(params.dtype)
-            sync = _rows_where(rnd.members.rejoined[rows])
-            average = lambda t: sync(comm.mean(t, was_live), t)  # noqa: E731
-            params, state = average(params), map_synced(state, average)
+            params, state = _take_back(rnd.members, members.live(step - 1), comm, params, state)
         evaluating = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
         idx = sampler.indices(step)
         params, state, stats, losses, grads = train_step(setup.grad_fn, strategy, params, state, x_train[idx],
@@ -186,6 +194,38 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
             bar.close()
             raise Stopped(stop, counters.step, cfg.steps)
     return params, state
+
+
+def _welcome(joiners: tuple[int, ...], comm: Comm, members: FailureSchedule, clock: Clock, masks: _Masks,
+             counters: Counters, state: Any) -> Any:
+    """Processes started again for dead ranks, which the survivors agreed to take back, join at this step's
+    start: the exchanges in flight complete among the survivors (each a collective, walked in the same order
+    on every rank), then the joiners get what a checkpoint holds, less the model (:func:`_take_back` gives
+    them the live workers' average of it and of their state)."""
+    if not joiners:
+        return state
+    state = map_rows(state, lambda t: t)
+    masks.settle(comm, counters)
+    comm.welcome(joiners, {"counters": dict(vars(counters)), "clock": clock.state, "masks": masks.log.packed(),
+                           "failures": members.failures, "state": state})
+    return state
+
+
+def _take_back(joined: Membership, was_live: torch.Tensor, comm: Comm, params: torch.Tensor,
+               state: Any) -> tuple[torch.Tensor, Any]:
+    """The rows of the workers that rejoin take the average of the workers that were live (``was_live``): the
+    model and the state declared SYNC_ON_REJOIN, and for a worker restarted as a new process (its memory lost)
+    all its worker-axis state. Each average is a collective, so every rank walks the same fields."""
+    weights, rows = was_live.to(params.dtype), comm.rows.tolist()
+
+    def averaged(who: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        keep = _rows_where(who[rows])
+        return lambda t: keep(comm.mean(t, weights), t)
+
+    synced = averaged(joined.rejoined)
+    if not joined.any_restarted:
+        return synced(params), map_synced(state, synced)
+    return synced(params), map_rejoined(state, synced, averaged(joined.restarted))
 
 
 def _stop_requested(signals: SignalWatch, comm: Comm) -> int | None:
@@ -226,6 +266,18 @@ def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: _Masks,
             entry["indices"] = [int(i) for i in shard]
         create(run_dir, cfg, shards, again=resume)  # resume without a checkpoint: the run starts again
     return params, setup.strategy.init(params), Counters()
+
+
+def _rejoin(setup: Setup, welcome: dict[str, Any], clock: Clock, masks: _Masks,
+            members: FailureSchedule) -> tuple[torch.Tensor, Any, Counters]:
+    """A rank taken back: the survivors' counters, clock, masks, membership and state (a peer's rows, which the
+    first step replaces with the live workers' average, as it does the model)."""
+    counters = Counters(**welcome["counters"])
+    clock.state = welcome["clock"]
+    masks.log.restore(welcome["masks"])
+    members.adopt(welcome["failures"])
+    params = setup.flat.flatten(setup.model)[None]
+    return params, welcome["state"], counters
 
 
 def _checkpoint(setup: Setup, run_dir: Path, comm: Comm, params: torch.Tensor, state: Any, counters: Counters,

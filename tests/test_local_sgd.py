@@ -17,6 +17,7 @@ from shaky.network.faults import FailureSchedule
 from shaky.network.model import LinkSample
 from shaky.rundir import load_checkpoint
 from shaky.setup import gradient_diversity
+from shaky.strategies.state import map_rows
 from shaky.train import BatchSampler, InterruptedRun, prepare, train
 
 from conftest import everyone, make_config, run, stop_at
@@ -104,6 +105,45 @@ def test_failed_worker_is_frozen_and_rejoins_with_the_average(tmp_run) -> None:
     assert (after[2] - after[0]).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_restarted_worker_also_takes_the_average_of_its_momentum(restart: bool, tmp_run) -> None:
+    """Worker 2 misses steps 4..7 and rejoins at step 8. Cut off (restart false) it keeps its own momentum, which
+    no longer matches the others'; restarted as a new process (its memory lost) it takes the live workers'
+    average of its momentum as well as of its model, so one step later it equals them in both (cut off, its own
+momentum moves it away from them again)."""
+    cfg = make_config(num_workers=4, steps=12, eval_every=4, checkpoint_every=9, strategy={"name": "allreduce"},
+                      optim={"momentum": 0.9}, network={"drop_rate": 0.0},
+                      failures=[{"worker": 2, "step": 4, "rejoin": 8, "restart": restart}])
+    d = tmp_run()
+    with pytest.raises(InterruptedRun):
+        train(prepare(cfg), d, progress=False, faults=stop_at(9))
+    ckpt = load_checkpoint(d)
+    momenta: list[torch.Tensor] = []
+    map_rows(ckpt["state"], lambda t: momenta.append(t) or t)
+    assert momenta
+    for gap in (float((ckpt["params"][2] - ckpt["params"][0]).abs().max()),
+                max(float((m[2] - m[0]).abs().max()) for m in momenta)):
+        assert (gap < 1e-6) if restart else (gap > 1e-4), gap
+
+
+def test_an_observed_rejoin_is_a_restart_the_schedule_hands_on() -> None:
+    """A real transport's survivors take a rank back: the schedule records it as a restart, its failures replay
+    it, and another schedule adopts them."""
+    schedule = FailureSchedule((), 4, 100)
+    live = torch.tensor([True, True, False, True])
+    schedule.observe(26, live)
+    schedule.observe(40, torch.ones(4, dtype=torch.bool))
+    assert schedule.failures == [{"worker": 2, "step": 26, "rejoin": 40, "restart": True}]
+    members = schedule.membership(40)
+    assert members.rejoined.tolist() == [False, False, True, False] and members.any_restarted
+    assert members.restarted.tolist() == members.rejoined.tolist()
+    other = FailureSchedule((), 4, 100)
+    other.adopt(schedule.failures)
+    assert other.live(30).tolist() == live.tolist() and other.membership(40).any_restarted
+    replayed = FailureSchedule(tuple(FailureConfig(**f) for f in schedule.failures), 4, 100)
+    assert replayed.failures == schedule.failures and not replayed.membership(41).any_rejoined
+
+
 def test_dead_server_block_is_served_by_its_successor() -> None:
     schedule = FailureSchedule((FailureConfig(worker=1, step=0), FailureConfig(worker=2, step=0)), 4, 10)
     members = schedule.membership(0)
@@ -162,6 +202,8 @@ def test_rounds_to_target_are_reported(tmp_run) -> None:
     (["--set", "failures=[{worker = 8, step = 3}]"], "failures[0].worker must name a worker in [0, 8), got 8"),
     (["--set", "failures=[{worker = 1, step = 30, rejoin = 20}]"], "failures[0].rejoin (20) must come after its failure step (30)"),
     (["--set", "failures=[{worker = 1}]"], "failures[0].step is required"),
+    (["--set", "failures=[{worker = 1, step = 3, restart = true}]"], "failures[0].restart is true but the worker never rejoins"),
+    (["--set", "failures=[{worker = 1, step = 3, rejoin = 5, restart = 1}]"], "failures[0].restart"),
     (["--set", "batch_sizes=[4, 4]"], "batch_sizes has 2 entries but num_workers is 8"),
 ])
 def test_bad_input_exits_2_naming_the_field(args: list[str], expected: str, tmp_path: Path, monkeypatch,

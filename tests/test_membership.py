@@ -15,15 +15,20 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import finish, launch_ranks, make_config, run
+import pytest
+
+from conftest import finish, free_port, launch_ranks, make_config, run
 
 WORKERS = 4
 ARGS = ["--backend", "dist", "--transport", "udp", "--workers", str(WORKERS), "--steps", "60", "--eval-every",
         "10", "--checkpoint-every", "20", "--quiet", "--set", "network.compute_ms=1.0"]
 
 
+ENV = {"SHAKY_KEY": "a test key of at least sixteen bytes"}
+
+
 def _launch(args: list[str], cwd: Path, fault: str) -> list[subprocess.Popen]:
-    return launch_ranks(args, cwd, fault, WORKERS, env={"SHAKY_KEY": "a test key of at least sixteen bytes"})
+    return launch_ranks(args, cwd, fault, WORKERS, env=ENV)
 
 
 _finish = finish
@@ -113,3 +118,63 @@ def test_ri_sgd_with_redundancy_keeps_its_coverage_through_two_failures(tmp_path
     assert all(r["coverage"] == 1.0 for r in rows)
     clean = _simulated(tmp_path, strategy={"name": "ri-sgd", "redundancy": 3, "period": 4})
     assert abs(summary["final_test_accuracy"] - clean["final_test_accuracy"]) <= 0.01, (summary, clean)
+
+
+def test_a_rank_started_again_is_taken_back(tmp_path: Path) -> None:
+    """Rank 2 is killed with SIGKILL before step 25 and started again with the same command line: the survivors
+    take it back at a step's start (it gets their average model and state), and the run ends with 4 live
+    workers, the change in the summary as a restart the simulator can replay."""
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "--steps", "1500", "--eval-every", "100", "--checkpoint-every", "500", "--out", str(run_dir)]
+    port = free_port()
+    procs = launch_ranks(args, tmp_path, "kill:2:25", WORKERS, env=ENV, port=port)
+    try:
+        assert procs[2].wait(timeout=120) == -signal.SIGKILL
+        procs[2] = launch_ranks(args, tmp_path, "", WORKERS, env=ENV, port=port, ranks=[2])[0]
+    finally:
+        results = _finish(procs, timeout=240)
+    for rank, (code, err) in enumerate(results):
+        assert code == 0, f"rank {rank}: {err[-3000:]}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1500 and summary["live_workers"] == 4, summary
+    changes = summary["udp"]["membership_changes"]
+    assert [c["live"] for c in changes] == [[0, 1, 3], [0, 1, 2, 3]], changes
+    assert changes[0]["step"] == 26 and changes[1]["rejoined"] == [2], changes
+    back = changes[1]["step"]
+    assert summary["udp"]["failures"] == [{"worker": 2, "step": 26, "rejoin": back, "restart": True}]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["live_workers"] for r in rows if r["step"] >= back] == [4] * sum(r["step"] >= back for r in rows)
+    simulated, _, _ = run(make_config(num_workers=WORKERS, steps=1500, eval_every=100, batch_size=32,
+                                      network={"compute_ms": 1.0}, failures=summary["udp"]["failures"]),
+                          tmp_path / "sim")
+    assert abs(summary["final_test_accuracy"] - simulated["final_test_accuracy"]) <= 0.01, (summary, simulated)
+
+
+@pytest.mark.parametrize(("transport", "extra", "expected"), [
+    ("gloo", [], "it uses the gloo transport, on which a failure stops every rank"),
+    ("udp", ["--lr", "0.07"], "its optim.lr is 0.07, the run's is 0.05"),
+])
+def test_a_process_that_cannot_rejoin_says_why_in_one_line(transport: str, extra: list[str], expected: str,
+                                                            tmp_path: Path) -> None:
+    """A process started for rank 1 of a run in progress that cannot take it (a gloo run, or another config)
+    stops with one line and status 2, and the run goes on."""
+    run_dir = tmp_path / "run"
+    args = ["--backend", "dist", "--transport", transport, "--workers", "2", "--steps", "100000", "--quiet",
+            "--lr", "0.05", "--eval-every", "1000", "--out", str(run_dir)]
+    port = free_port()
+    procs = launch_ranks(args, tmp_path, "", 2, env=ENV, port=port)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _rows_with(run_dir, step=1000):
+            time.sleep(0.05)
+        assert _rows_with(run_dir, step=1000), "the run never got going"
+        again = launch_ranks([*args[:-2], *extra, "--out", str(run_dir)], tmp_path, "", 2, env=ENV, port=port,
+                             ranks=[1])
+        (code, err), = _finish(again, timeout=60)
+        assert all(p.poll() is None for p in procs), "the run stopped"
+    finally:
+        for p in procs:
+            p.kill()
+        _finish(procs, timeout=30)
+    lines = [line for line in err.splitlines() if line.startswith("shaky: error:")]
+    assert code == 2 and len(lines) == 1 and expected in lines[0], err[-2000:]

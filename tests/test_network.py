@@ -91,6 +91,25 @@ def test_mask_log_put_replaces_one_round_only(tmp_path) -> None:
         log.put(0, segmented)
 
 
+@pytest.mark.parametrize("segment_bytes", [0, 8])
+def test_mask_log_restore_takes_a_peers_rounds_and_goes_on(segment_bytes: int) -> None:
+    """A rank taken back restores the survivors' log (one round per step so far, of their segment layout) and
+    appends its own rounds after it, as if it had logged them all; a log that holds rounds refuses."""
+    net = NetworkModel(NetworkConfig(drop_rate=0.4, segment_bytes=segment_bytes), 5, seed=7, dim=100)
+    samples = [net.sample(r) for r in range(6)]
+    peer, mine = MaskLog(5, capacity=2), MaskLog(5, capacity=2)
+    for s in samples[:4]:
+        peer.append(s)
+    mine.restore(peer.packed())
+    for s in samples[4:]:
+        mine.append(s)
+        peer.append(s)
+    assert mine.rounds == 6
+    assert all(np.array_equal(mine.packed()[k], peer.packed()[k]) for k in ("up", "down", "num_segments"))
+    with pytest.raises(ValueError, match="empty log"):
+        mine.restore(peer.packed())
+
+
 def test_trace_round_trip(tmp_path) -> None:
     net = NetworkModel(NetworkConfig(drop_rate=0.4), 5, seed=2)
     samples = [net.sample(r) for r in range(30)]

@@ -13,7 +13,8 @@ block into segments (see :meth:`Comm.block_average`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -98,6 +99,16 @@ class Comm(Protocol):
     def take_membership(self) -> list[tuple[int, torch.Tensor]]:
         """Membership changes a real transport's survivors agreed on since the last call, as (the step from
         which it holds, bool [W] live); empty where the failure schedule is the membership."""
+        ...
+
+    def take_admitted(self) -> tuple[int, ...]:
+        """Ranks started again for dead ones that a real transport's survivors agreed (in the last step) to take
+        back: :meth:`welcome` them at this step's start. Empty where the failure schedule is the membership."""
+        ...
+
+    def welcome(self, joiners: Sequence[int], snapshot: dict[str, Any]) -> None:
+        """Takes ``joiners`` (from :meth:`take_admitted`) back from this step, handing them ``snapshot``, the
+        training loop's state (every live rank calls it, with no exchange in flight)."""
         ...
 
     def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:

@@ -16,6 +16,8 @@ checkpoints, evaluation, the deadline agreement) stays on gloo."""
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import os
 import socket
 import struct
@@ -26,7 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -81,15 +83,19 @@ class _InFlight:
 class DistComm:
     """Comm for one worker per torch.distributed process (gloo on CPU, NCCL on GPU)."""
 
-    def __init__(self, *, heartbeat: bool = False) -> None:
+    def __init__(self, *, heartbeat: bool = False, joining: JoinStore | None = None) -> None:
         """``heartbeat``: a thread beats in the rendezvous store, so that :meth:`diagnose_failure` can tell
-        a rank that died from one that hangs (``shaky train`` turns it on; a user's own loop need not)."""
-        if not dist.is_initialized():
+        a rank that died from one that hangs (``shaky train`` turns it on; a user's own loop need not).
+        ``joining``: this process was started again for a dead rank of a run in progress (:func:`run_in_progress`):
+        it has no process group, only the rendezvous store (a udp run takes it back, :class:`UdpDistComm`)."""
+        if joining is not None:
+            self.rank, self.num_workers, self._store = joining.rank, joining.num_workers, joining.store
+        elif not dist.is_initialized():
             raise RuntimeError("DistComm needs torch.distributed to be initialised (start with torchrun)")
-        self.rank = dist.get_rank()
-        self.num_workers = dist.get_world_size()
+        else:
+            self.rank, self.num_workers = dist.get_rank(), dist.get_world_size()
+            self._store = rendezvous_store()
         self.rows = torch.tensor([self.rank])
-        self._store = dist.distributed_c10d._get_default_store()
         self._buffers: dict[str, torch.Tensor] = {}
         self._data: dist.ProcessGroup | None = None
         self._data_thread: ThreadPoolExecutor | None = None
@@ -109,7 +115,7 @@ class DistComm:
     def _beat(self) -> None:
         key = f"shaky/beat/{self.rank}"
         others = [r for r in range(self.num_workers) if r != self.rank]
-        while not self._beating.wait(HEARTBEAT_S):
+        while True:
             try:
                 self._store.add(key, 1)
                 if self.watching:     # live membership: when each other rank's heartbeat last moved
@@ -121,13 +127,15 @@ class DistComm:
                     self._looked_at = now
             except RuntimeError:  # the store is gone (its host died, or the job ended)
                 return
+            if self._beating.wait(HEARTBEAT_S):
+                return
 
     def silent_s(self, rank: int) -> float:
-        """How long ``rank``'s heartbeat had not moved at this thread's last look (with :attr:`watching`; 0
-        before the first). Measured between two looks of this process, so a pause of this process (SIGSTOP, a
-        stalled machine) is not taken for silence of the others."""
+        """How long ``rank``'s heartbeat has not moved (with :attr:`watching`; 0 before the first look): from
+        the look that saw it last move to now, but never past one beat after this thread's last look, so a pause
+        of this process (SIGSTOP, a stalled machine) is not taken for silence of the others."""
         seen = self._beats_seen.get(rank)
-        return 0.0 if seen is None else self._looked_at - seen[1]
+        return 0.0 if seen is None else min(time.monotonic(), self._looked_at + HEARTBEAT_S) - seen[1]
 
     def close(self) -> None:
         """Stops the heartbeat and the exchange thread (before the process group is destroyed)."""
@@ -152,6 +160,23 @@ class DistComm:
     def take_membership(self) -> list[tuple[int, torch.Tensor]]:
         """Nothing on gloo: a dead rank stops every rank (see :meth:`diagnose_failure`)."""
         return []
+
+    def take_admitted(self) -> tuple[int, ...]:
+        """Nothing on gloo: a rank started again cannot join a process group in progress."""
+        return ()
+
+    def welcome(self, joiners: Sequence[int], snapshot: dict[str, Any]) -> None:
+        """Never called on gloo (:meth:`take_admitted` admits no one)."""
+        raise RuntimeError("the gloo transport takes no rank back")
+
+    def publish_run(self, record: dict[str, Any]) -> None:
+        """Rank 0: what a process started again for a dead rank needs to know of the run (its directory, its
+        config, the measured compute time), in the rendezvous store (:func:`run_in_progress`)."""
+        self._store.set(RUN_KEY, json.dumps(record))
+
+    def end_run(self) -> None:
+        """Rank 0, the run finished: a process still waiting to be taken back learns that it will not be."""
+        self._store.set(ENDED_KEY, "1")
 
     def barrier(self) -> None:
         """Every rank got here."""
@@ -369,6 +394,55 @@ def local_address() -> str:
         return str(probe.getsockname()[0])
 
 
+RUN_KEY = "shaky/run"
+"""The run record (:meth:`DistComm.publish_run`) in the rendezvous store: its presence means a run is in progress."""
+ENDED_KEY = "shaky/ended"
+"""Set in the rendezvous store when the run has finished."""
+
+
+def rendezvous_store() -> dist.Store:
+    """The rendezvous store itself (MASTER_ADDR:MASTER_PORT's), under the prefixes torch's process groups add:
+    shaky's keys live there, where a process started again for a dead rank, which has no process group, reads
+    them with a plain client."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class JoinStore(NamedTuple):
+    """What a process started again for a dead rank has instead of a process group: the rendezvous store."""
+
+    store: dist.Store
+    """The rendezvous store (:func:`rendezvous_store`)."""
+    rank: int
+    num_workers: int
+    record: dict[str, Any]
+    """The run record rank 0 published (:meth:`DistComm.publish_run`)."""
+
+
+def run_in_progress(timeout_s: float) -> JoinStore | None:
+    """For a process of rank > 0 before it joins the process group: the rendezvous store and the run record when
+    a run is already in progress at MASTER_ADDR:MASTER_PORT (this process was started again for a rank that died),
+    else None (the run starts: rank 0 publishes its record only after every rank has joined). Waits up to
+    ``timeout_s`` for the store to come up, as joining the group would."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if rank == 0 or not host or not port:
+        return None
+    try:
+        raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError):   # no store: joining the group will say so
+        return None
+    if not raw.check([RUN_KEY]) or raw.check([ENDED_KEY]):
+        return None
+    return JoinStore(raw, rank, world, json.loads(raw.get(RUN_KEY).decode()))
+
+
+class NotTakenBack(RuntimeError):
+    """A process started again for a dead rank was not taken back (the run ended first, or its store is gone)."""
+
+
 class LeftBehind(RuntimeError):
     """This rank was declared dead by the others (its heartbeat stopped for longer than the timeout, e.g. while
     its process was frozen) and the run went on without it."""
@@ -399,9 +473,36 @@ class _Quorum:
         self.live: tuple[int, ...] = tuple(range(num_workers))
         """The ranks alive as of the last round, the same on every survivor."""
         self._seq = 0
-        self._live_key = f"{prefix}/live"
+        self.live_key = f"{prefix}/live"
         """The live ranks as of the last change (every survivor writes the same): a rank that wakes after the
         rounds that left it out were cleaned away learns it here."""
+        self.num_workers = num_workers
+        self.admitting = False
+        """The next round may take in ranks started again (set at each step's start: every rank's first round
+        of a step is the same round)."""
+        self.admitted: tuple[int, ...] = ()
+        """Ranks started again that a round's commit took in: they join at the next step's start."""
+
+    def join_key(self, rank: int) -> str:
+        """Where a process started again for ``rank`` asks to be taken back."""
+        return f"{self.prefix}/join/{rank}"
+
+    def welcome_key(self, rank: int) -> str:
+        """Where the survivors hand a process started again for ``rank`` the run's state."""
+        return f"{self.prefix}/welcome/{rank}"
+
+    @property
+    def store(self) -> dist.Store:
+        return self._store
+
+    @property
+    def seq(self) -> int:
+        """The number of the next round."""
+        return self._seq
+
+    def resume_at(self, seq: int, live: Sequence[int]) -> None:
+        """A rank taken back: its next round is ``seq``, with the ranks ``live``."""
+        self._seq, self.live = seq, tuple(live)
 
     def _left_behind(self) -> LeftBehind:
         return LeftBehind(f"rank {self.rank} was declared dead by the others (its heartbeat stopped for more than "
@@ -409,8 +510,8 @@ class _Quorum:
 
     def _check_still_live(self) -> None:
         store = self._store
-        if store.check([self._live_key]) and \
-                str(self.rank) not in store.get(self._live_key).decode().split(","):
+        if store.check([self.live_key]) and \
+                str(self.rank) not in store.get(self.live_key).decode().split(","):
             raise self._left_behind()
 
     def round(self, record: bytes) -> dict[int, bytes]:
@@ -420,10 +521,11 @@ class _Quorum:
         store.set(f"{key}/{self.rank}", record)
         commit = f"{key}/commit"
         missing = [r for r in self.live if r != self.rank]
+        replaced: set[int] = set()      # missing ranks for which a new process asks to be taken back
         while missing:
             # Wait for the records of the ranks whose heartbeat still moves, until the first of them would be
             # stale: a wait runs out only when a rank is really suspect.
-            pending = [r for r in missing if self._silent_s(r) < self.timeout_s]
+            pending = [r for r in missing if self._silent_s(r) < self.timeout_s and r not in replaced]
             if not pending:
                 break                               # every rank still missing is dead
             try:
@@ -435,14 +537,26 @@ class _Quorum:
                     break
                 self._check_still_live()            # a rank woken after the others left it out
                 missing = [r for r in missing if not store.check([f"{key}/{r}"])]
+                # A process started again for a rank beats that rank's heartbeat: its old one is gone.
+                replaced |= {r for r in missing if store.check([self.join_key(r)])}
         if missing:
             self._check_still_live()
-        store.compare_set(commit, "", ",".join(str(r) for r in self.live if r not in missing))
-        included = tuple(int(r) for r in store.get(commit).decode().split(","))
+        proposal = ",".join(str(r) for r in self.live if r not in missing)
+        if self.admitting:
+            self.admitting = False
+            dead = [r for r in range(self.num_workers) if r not in self.live]
+            joining = [r for r in dead if store.check([self.join_key(r)])]
+            if joining:
+                proposal += "+" + ",".join(map(str, joining))
+        store.compare_set(commit, "", proposal)
+        agreed, _, joining_part = store.get(commit).decode().partition("+")
+        included = tuple(int(r) for r in agreed.split(","))
         if self.rank not in included:
             raise self._left_behind()
+        if joining_part:
+            self.admitted = tuple(sorted({*self.admitted, *map(int, joining_part.split(","))}))
         if included != self.live:
-            store.set(self._live_key, ",".join(map(str, included)))
+            store.set(self.live_key, ",".join(map(str, included)))
         records = dict(zip(included, store.multi_get([f"{key}/{r}" for r in included]), strict=True))
         if self._seq > 3:       # every survivor is past that round: its records are read
             old = f"{self.prefix}/{self._seq - 4}"
@@ -470,7 +584,7 @@ class UdpDistComm(DistComm):
     def __init__(self, *, deadline_ms: float | None = None, key: bytes | None = None, ports: range | None = None,
                  host: str | None = None, options: UdpOptions | None = None, heartbeat: bool = False,
                  announce: bool = True, lanes: int = 1, latency_s: list[float] | None = None,
-                 heartbeat_timeout_s: float | None = None) -> None:
+                 heartbeat_timeout_s: float | None = None, joining: JoinStore | None = None) -> None:
         """``deadline_ms``: a fixed phase deadline (None: adaptive; the first round, with no history, gets
         :func:`first_deadline_s` of its row). ``key``: 32 bytes
         (``load_key``); None: rank 0 makes one for this run and hands it out through the store, and every
@@ -483,17 +597,21 @@ class UdpDistComm(DistComm):
         ``heartbeat_timeout_s``: live membership (needs ``heartbeat``): the control plane (means, gathers, the
         masks) goes through the rendezvous store in :class:`_Quorum` rounds instead of gloo, and a rank whose
         heartbeat stops for this long is left out: the survivors go on (:meth:`take_membership`). None: gloo,
-        and a dead rank stops every rank, as on the gloo transport.
+        and a dead rank stops every rank, as on the gloo transport. ``joining``: this process was started again
+        for a dead rank of a run in progress (needs ``heartbeat_timeout_s``): it asks the survivors to take it
+        back, and :meth:`await_welcome` waits until they do.
 
         Raises ValueError (the same on every rank, naming the rank) when a rank cannot bind a port, or the
         ranks' keys differ."""
         if deadline_ms is not None and not 0 < deadline_ms < float("inf"):
             raise ValueError(f"deadline_ms must be a positive number of milliseconds, got {deadline_ms!r}")
-        super().__init__(heartbeat=heartbeat)
+        if joining is not None and heartbeat_timeout_s is None:
+            raise ValueError("a rank started again can join only with live membership (heartbeat_timeout_s)")
+        super().__init__(heartbeat=heartbeat, joining=joining)
         UdpDistComm._instances += 1
-        prefix = f"shaky/udp/{UdpDistComm._instances}"
+        prefix = self._prefix = f"shaky/udp/{UdpDistComm._instances}"
         store, me, w = self._store, self.rank, self.num_workers
-        if me == 0:
+        if me == 0 and joining is None:
             store.set(f"{prefix}/run", os.urandom(8).hex())
             if key is None:
                 store.set(f"{prefix}/key", os.urandom(32).hex())
@@ -520,23 +638,15 @@ class UdpDistComm(DistComm):
             store.set(f"{prefix}/addr/{me}", f"ok {fingerprint} {where}")
         except (OSError, ValueError) as exc:
             store.set(f"{prefix}/addr/{me}", f"error {exc}")
-        entries = [store.get(f"{prefix}/addr/{r}").decode().split(" ", 1) for r in range(w)]
-        errors = [(r, rest) for r, (status, rest) in enumerate(entries) if status != "ok"]
-        fields = [rest.split(" ") for status, rest in entries if status == "ok"]
-        prints = {f[0] for f in fields}
-        if errors or len(prints) > 1 or len(exchanges) < lanes:
+        self.exchanges: list[UdpExchange] = exchanges
+        """This rank's ends of the data plane, one per lane."""
+        try:
+            self._connect(fingerprint)       # a socket this rank could not open is an error entry of its own
+        except ValueError:
             super().close()
             for ex in exchanges:
                 ex.close()
-            if errors:
-                r, why = errors[0]
-                raise ValueError(f"rank {r} cannot open its udp socket: {why} (see dist.ports and dist.host)")
-            raise ValueError("the ranks hold different udp keys (dist.key_file or SHAKY_KEY differs between "
-                             "nodes): every datagram would be rejected")
-        self.exchanges: list[UdpExchange] = exchanges
-        """This rank's ends of the data plane, one per lane."""
-        for lane, ex in enumerate(exchanges):
-            ex.connect([(f[1 + 2 * lane], int(f[2 + 2 * lane])) for f in fields])
+            raise
         self.exchange: UdpExchange = exchanges[0]
         """The first lane's exchange (every lane has the same options)."""
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"shaky-udp-lane{k}") for k in range(lanes)]
@@ -553,14 +663,36 @@ class UdpDistComm(DistComm):
         """The counters of the last exchange (this rank's)."""
         self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "closed_by_deadline": 0,
                         "repeated": 0, "grace_s": 0.0}
+        store_timeout_s = (_world_timeout() if joining is None else self._store.timeout).total_seconds()
         self._quorum = None if heartbeat_timeout_s is None else _Quorum(
-            self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, _world_timeout().total_seconds())
+            self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, store_timeout_s)
         self.watching = self._quorum is not None
         self._changes: list[tuple[int, torch.Tensor]] = []
         self.membership_log: list[dict[str, object]] = []
-        """Each membership change: the step from which it holds, the live ranks, and how long the control round
-        that agreed on it took (most of it waiting for the dead rank's heartbeat to go stale)."""
-        dist.barrier()
+        """Each membership change: the step from which it holds, the live ranks, the ranks taken back, and how
+        long the control round that agreed on it took (most of it waiting for the dead rank's heartbeat to go
+        stale)."""
+        if joining is None:
+            dist.barrier()
+        else:
+            self._quorum.store.set(self._quorum.join_key(me), fingerprint)
+
+    def _connect(self, fingerprint: str) -> None:
+        """Every lane learns every rank's address from the store (at the start, and whenever ranks are taken
+        back: theirs changed). Raises ValueError naming a rank that could not open its socket, or when the
+        ranks' keys differ."""
+        entries = [self._store.get(f"{self._prefix}/addr/{r}").decode().split(" ", 1) for r in range(self.num_workers)]
+        errors = [(r, rest) for r, (status, rest) in enumerate(entries) if status != "ok"]
+        if errors:
+            r, why = errors[0]
+            raise ValueError(f"rank {r} cannot open its udp socket: {why} (see dist.ports and dist.host)")
+        fields = [rest.split(" ") for _, rest in entries]
+        if len({f[0] for f in fields}) > 1 or fields[self.rank][0] != fingerprint:
+            raise ValueError("the ranks hold different udp keys (dist.key_file or SHAKY_KEY differs between "
+                             "nodes): every datagram would be rejected")
+        for lane, ex in enumerate(self.exchanges):
+            ex.connect([(f[1 + 2 * lane], int(f[2 + 2 * lane])) for f in fields])
+        self._fingerprint = fingerprint
 
     @property
     def deadline_s(self) -> float:
@@ -586,6 +718,85 @@ class UdpDistComm(DistComm):
     def on_step(self, step: int) -> None:
         super().on_step(step)
         self._step = step
+        if self._quorum is not None:
+            self._quorum.admitting = True
+
+    # ------------------------------------------------------------------ ranks taken back
+
+    def take_admitted(self) -> tuple[int, ...]:
+        """The ranks started again that the survivors agreed to take back (in a round of the last step, the
+        same on every rank): :meth:`welcome` them now, at the step's start."""
+        if self._quorum is None or not self._quorum.admitted:
+            return ()
+        joiners, self._quorum.admitted = self._quorum.admitted, ()
+        return joiners
+
+    def welcome(self, joiners: Sequence[int], snapshot: dict[str, Any]) -> None:
+        """Takes ``joiners`` back from this step (every live rank calls it, at the same step, with nothing in
+        flight): the lowest live rank hands each the run's state, ``snapshot`` (the training loop's) with the
+        control plane's own (the next round's number, the live ranks, the next exchange's number and deadline);
+        every rank learns their new addresses, and the change is recorded (:meth:`take_membership`)."""
+        q = self._quorum
+        if q is None:
+            raise RuntimeError("ranks are taken back only with live membership")
+        live = tuple(sorted({*q.live, *joiners}))
+        entry = {"step": self._step, "live": list(live), "rejoined": list(joiners), "round_s": 0.0}
+        if self.rank == q.live[0]:
+            buffer = io.BytesIO()
+            torch.save({"train": snapshot, "comm": {
+                "seq": q.seq, "live": live, "round": self._round, "deadline_s": self._deadline_s,
+                "membership_log": [*self.membership_log, entry]}}, buffer)
+            q.store.set(q.live_key, ",".join(map(str, live)))
+            for r in joiners:
+                q.store.set(q.welcome_key(r), buffer.getvalue())
+                q.store.delete_key(q.join_key(r))
+        q.resume_at(q.seq, live)
+        self._connect(self._fingerprint)
+        now = time.monotonic()
+        for r in joiners:   # its request to join is its latest sign of life: silent from now on, if at all
+            self._beats_seen[r] = (self._beats_seen.get(r, (None, now))[0], now)
+        self._changed(live, entry)
+
+    def await_welcome(self, timeout_s: float) -> dict[str, Any]:
+        """A rank started again: waits until the survivors take it back and returns the training loop's part of
+        what they handed over (:meth:`welcome`). Raises NotTakenBack when the run ends first, its store goes,
+        or ``timeout_s`` passes."""
+        q, me = self._quorum, self.rank
+        if q is None:
+            raise RuntimeError("ranks are taken back only with live membership")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not q.store.check([q.welcome_key(me)]):
+                if self._store.check([ENDED_KEY]):
+                    raise NotTakenBack(f"the run ended before rank {me} was taken back")
+                if time.monotonic() > deadline:
+                    raise NotTakenBack(f"rank {me} was not taken back within {timeout_s:g} s (dist.timeout_s): "
+                                       f"the survivors take a rank back at a step's start once its old process "
+                                       f"is seen dead")
+                time.sleep(0.02)
+            data = q.store.get(q.welcome_key(me))
+            q.store.delete_key(q.welcome_key(me))
+        except NotTakenBack:
+            raise
+        except RuntimeError:     # the store went away with its host
+            raise NotTakenBack(f"rank {me} was not taken back: the run's rendezvous store is gone") from None
+        handed = torch.load(io.BytesIO(data), weights_only=False)
+        control = handed["comm"]
+        q.resume_at(control["seq"], control["live"])
+        self._round, self._deadline_s = control["round"], control["deadline_s"]
+        self._adaptive = AdaptiveDeadline(initial_s=control["deadline_s"])
+        self._step = handed["train"]["counters"]["step"]
+        self.membership_log = control["membership_log"][:-1]
+        self._connect(self._fingerprint)
+        self._changed(control["live"], control["membership_log"][-1])
+        return handed["train"]
+
+    def _changed(self, live: Sequence[int], entry: dict[str, object]) -> None:
+        """A membership change at ``entry["step"]``: recorded for :meth:`take_membership` and the summary."""
+        mask = torch.zeros(self.num_workers, dtype=torch.bool)
+        mask[list(live)] = True
+        self._changes.append((int(entry["step"]), mask))     # type: ignore[call-overload]
+        self.membership_log.append(entry)
 
     def take_observed(self) -> list[tuple[int, LinkSample]]:
         """The masks of the exchanges completed since the last call (what really arrived), each with the step
@@ -665,11 +876,8 @@ class UdpDistComm(DistComm):
         live_before, t0 = self._quorum.live, time.perf_counter()
         records = self._quorum.round(x.contiguous().numpy().tobytes())
         if self._quorum.live != live_before:
-            live = torch.zeros(self.num_workers, dtype=torch.bool)
-            live[list(self._quorum.live)] = True
-            self._changes.append((self._step + 1, live))
-            self.membership_log.append({"step": self._step + 1, "live": list(self._quorum.live),
-                                        "round_s": round(time.perf_counter() - t0, 3)})
+            self._changed(self._quorum.live, {"step": self._step + 1, "live": list(self._quorum.live),
+                                              "round_s": round(time.perf_counter() - t0, 3)})
         got = {r: torch.frombuffer(bytearray(b), dtype=x.dtype).view(x.shape) for r, b in records.items()}
         if len(got) == self.num_workers:
             return [got[r] for r in range(self.num_workers)]
@@ -761,24 +969,27 @@ def first_deadline_s(row_bytes: int) -> float:
 
 
 def udp_comm(settings: DistConfig, *, heartbeat: bool = False, lanes: int = 1,
-             latency_ms: Sequence[Sequence[float]] | None = None) -> UdpDistComm:
+             latency_ms: Sequence[Sequence[float]] | None = None, joining: JoinStore | None = None) -> UdpDistComm:
     """The udp transport's comm for the ``[dist]`` settings, built by every rank together (a collective):
     ``shaky train --transport udp`` and ``RPSAverager(transport="udp")`` both start it here. A key file that
     one rank cannot read, a rank with no free port or keys that differ raise the same ValueError on every rank.
 
     ``lanes``: exchanges in flight at once (:class:`UdpDistComm`; more than :data:`MAX_LANES` are capped, the
     rest queue). ``latency_ms``: the network model's [W, W] one-way latencies, emulated where
-    ``settings.emulate_latency`` (required then)."""
+    ``settings.emulate_latency`` (required then). ``joining``: a process started again for a dead rank
+    (:func:`run_in_progress`), built alone (it reads the others' addresses and asks to be taken back)."""
     options = UdpOptions(datagram_bytes=settings.datagram_bytes, send_rate_mbps=settings.send_rate_mbps or None)
     latency_s = None
     if settings.emulate_latency:
         if latency_ms is None:
             raise ValueError("dist.emulate_latency needs the network's latencies (network.latency_ms)")
-        latency_s = [float(v) / 1e3 for v in latency_ms[dist.get_rank()]]
+        latency_s = [float(v) / 1e3 for v in latency_ms[dist.get_rank() if joining is None else joining.rank]]
     comm = UdpDistComm(deadline_ms=None if settings.deadline_ms == "adaptive" else float(settings.deadline_ms),
-                       key=agreed_key(settings.key_file), ports=settings.port_range(), host=settings.host or None,
+                       key=agreed_key(settings.key_file) if joining is None else load_key(settings.key_file),
+                       ports=settings.port_range(), host=settings.host or None,
                        heartbeat=heartbeat, options=options, lanes=min(max(1, lanes), MAX_LANES),
-                       latency_s=latency_s, heartbeat_timeout_s=settings.heartbeat_timeout_s if heartbeat else None)
+                       latency_s=latency_s, heartbeat_timeout_s=settings.heartbeat_timeout_s if heartbeat else None,
+                       joining=joining)
     warning = python_path_warning(options)
     if warning and comm.rank == 0:
         print(f"shaky: warning: {warning}", file=sys.stderr, flush=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +49,14 @@ class SimComm:
     def take_membership(self) -> list[tuple[int, torch.Tensor]]:
         """Nothing: the failure schedule is the membership."""
         return []
+
+    def take_admitted(self) -> tuple[int, ...]:
+        """Nothing: the failure schedule says who rejoins."""
+        return ()
+
+    def welcome(self, joiners: Sequence[int], snapshot: dict[str, Any]) -> None:
+        """Never called (:meth:`take_admitted` admits no one)."""
+        raise RuntimeError("the simulator takes no process back: its failure schedule says who rejoins")
 
     def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """Nothing: the simulator's losses are drawn, not observed."""

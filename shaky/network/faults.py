@@ -37,6 +37,12 @@ class Membership:
     """Every worker lives (``live`` is all True); the common case, checked without touching the tensor."""
     any_rejoined: bool
     """Some worker rejoins this round."""
+    restarted: torch.Tensor | None = None
+    """bool [W]: the workers of ``rejoined`` that come back as new processes (their memory lost): they take the
+    live workers' average of all their strategy state, not only of the fields declared SYNC_ON_REJOIN (None:
+    none does)."""
+    any_restarted: bool = False
+    """Some worker rejoins this round as a new process."""
 
     @staticmethod
     def everyone(num_workers: int, sample_weights: torch.Tensor | None = None) -> Membership:
@@ -74,29 +80,52 @@ class FailureSchedule:
         self.sample_weights = sample_weights
         """float64 [W]: each worker's weight in an average (its batch size), or None for equal weights."""
         # One row per failure event, not per step: a run of 1e15 steps costs nothing to describe.
-        self._spans = [(f.worker, f.step, f.rejoin if f.rejoin != -1 else None) for f in failures]
+        self._spans = [(f.worker, f.step, f.rejoin if f.rejoin != -1 else None, f.restart) for f in failures]
         self.enabled = bool(failures)
         self._everyone = Membership.everyone(num_workers, sample_weights)
 
     def observe(self, step: int, live: torch.Tensor) -> None:
         """A membership change seen at run time (a real transport's survivors agreed on it): from ``step`` on,
-        exactly the workers in ``live`` (bool [W]) are alive, until the next change."""
+        exactly the workers in ``live`` (bool [W]) are alive, until the next change. A worker that comes back
+        is a new process (``restart``): the one that died is gone with its memory."""
         was = self.live(step)
         for worker in range(self.num_workers):
             if was[worker] and not live[worker]:
-                self._spans.append((worker, step, None))
+                self._spans.append((worker, step, None, False))
             elif live[worker] and not was[worker]:
-                self._spans = [(w, a, step if w == worker and b is None and a <= step else b)
-                               for w, a, b in self._spans]
+                self._spans = [(w, a, step, True) if w == worker and b is None and a <= step else (w, a, b, r)
+                               for w, a, b, r in self._spans]
         self.enabled = True
+
+    @property
+    def failures(self) -> list[dict[str, int | bool]]:
+        """The schedule as ``[[failures]]`` tables (``RunConfig.failures``), observed changes included: the
+        simulator replays a real run's membership with them."""
+        return [{"worker": w, "step": a, "rejoin": -1 if b is None else b, "restart": r}
+                for w, a, b, r in self._spans]
+
+    def adopt(self, failures: list[dict[str, int | bool]]) -> None:
+        """Takes another schedule's :attr:`failures` in place of this one's (a rank taken back takes the
+        survivors')."""
+        self._spans = [(int(f["worker"]), int(f["step"]), None if f["rejoin"] == -1 else int(f["rejoin"]),
+                        bool(f["restart"])) for f in failures]
+        self.enabled = bool(self._spans)
 
     def live(self, step: int) -> torch.Tensor:
         """bool [W]: who is alive at ``step``."""
         alive = torch.ones(self.num_workers, dtype=torch.bool)
-        for worker, start, stop in self._spans:
+        for worker, start, stop, _ in self._spans:
             if start <= step and (stop is None or step < stop):
                 alive[worker] = False
         return alive
+
+    def _restarted(self, step: int) -> torch.Tensor:
+        """bool [W]: who comes back at ``step`` as a new process."""
+        fresh = torch.zeros(self.num_workers, dtype=torch.bool)
+        for worker, _, stop, restart in self._spans:
+            if restart and stop == step:
+                fresh[worker] = True
+        return fresh
 
     def membership(self, step: int) -> Membership:
         """The membership of ``step``."""
@@ -105,6 +134,7 @@ class FailureSchedule:
         live = self.live(step)
         rejoined = live & ~self.live(step - 1) if step > 0 else torch.zeros_like(live)
         all_live, any_rejoined = bool(live.all()), bool(rejoined.any())
+        restarted = rejoined & self._restarted(step) if any_rejoined else torch.zeros_like(live)
         if all_live and not any_rejoined:
             return self._everyone
         weights = live.to(torch.float64)
@@ -113,4 +143,4 @@ class FailureSchedule:
         elif all_live:
             weights = None
         return Membership(live, successor_servers(live) if not all_live else torch.arange(self.num_workers),
-                          rejoined, weights, all_live, any_rejoined)
+                          rejoined, weights, all_live, any_rejoined, restarted, bool(restarted.any()))

@@ -222,6 +222,20 @@ class MaskLog:
         self._up[round_] = _pack(links.up)
         self._down[round_] = _pack(links.down)
 
+    def restore(self, packed: dict[str, np.ndarray]) -> None:
+        """Takes the rounds of ``packed`` (another log's :meth:`packed`, e.g. a peer's, handed to a rank that
+        rejoins) in place of this empty log's."""
+        if self.rounds:
+            raise ValueError(f"restore needs an empty log; this one holds {self.rounds} rounds")
+        rounds = len(packed["up"])
+        if rounds:
+            self._set_segments(int(packed["num_segments"]), int(packed["segment_bytes"]))
+            if len(self._up) < rounds:
+                self._up = np.zeros((rounds, self._up.shape[1]), dtype=np.uint8)
+                self._down = np.zeros_like(self._up)
+            self._up[:rounds], self._down[:rounds] = packed["up"], packed["down"]
+        self.rounds = rounds
+
     def packed(self) -> dict[str, np.ndarray]:
         """Arrays [rounds, S * ceil(W*W/8)] of uint8 and the segments' count and size: the layout of ``trace.npz``."""
         return {"up": self._up[:self.rounds], "down": self._down[:self.rounds],

@@ -74,3 +74,22 @@ def zip_rows(new: Any, old: Any, fn: Callable[[torch.Tensor, torch.Tensor], torc
 def map_synced(state: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``state`` with ``fn`` applied to the tensors a rejoining worker takes from the live workers."""
     return _walk(state, fn, (), SYNC_ON_REJOIN)
+
+
+def map_rejoined(state: Any, synced: Callable[[torch.Tensor], torch.Tensor],
+                 rest: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``state`` with ``synced`` applied to the tensors a rejoining worker takes from the live workers, and
+    ``rest`` to every other tensor that carries the worker axis (what a worker restarted as a new process, its
+    memory lost, takes from them as well)."""
+    if not _is_state(state):
+        return state
+    axis, sync = getattr(type(state), WORKER_AXIS, ()), getattr(type(state), SYNC_ON_REJOIN, ())
+    fields = []
+    for name, value in zip(state._fields, state):
+        if name in sync:
+            fields.append(_all(value, synced, ()))
+        elif name in axis:
+            fields.append(_all(value, rest, ()))
+        else:
+            fields.append(map_rejoined(value, synced, rest))
+    return type(state)(*fields)
