@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from shaky.rundir import load_checkpoint
 
 from conftest import finish, free_port, launch_ranks, make_config, run
 
@@ -121,11 +125,13 @@ def test_ri_sgd_with_redundancy_keeps_its_coverage_through_two_failures(tmp_path
 
 
 def test_a_rank_started_again_is_taken_back(tmp_path: Path) -> None:
-    """Rank 2 is killed with SIGKILL before step 25 and started again with the same command line: the survivors
-    take it back at a step's start (it gets their average model and state), and the run ends with 4 live
-    workers, the change in the summary as a restart the simulator can replay."""
+    """DTS (t = 4, momentum): rank 2 is killed with SIGKILL before step 25 and started again with the same
+    command line. The survivors take it back at a step's start (their exchanges in flight complete first; it
+    gets their average model and state), the run ends with 4 live workers, and the simulator replaying its
+    trace with its membership (udp.failures: a restart) ends at the same parameters."""
     run_dir = tmp_path / "run"
-    args = [*ARGS, "--steps", "1500", "--eval-every", "100", "--checkpoint-every", "500", "--out", str(run_dir)]
+    args = [*ARGS, "--steps", "1500", "--eval-every", "100", "--checkpoint-every", "500", "--strategy", "dts",
+            "--set", "strategy.delay=4", "--momentum", "0.9", "--out", str(run_dir)]
     port = free_port()
     procs = launch_ranks(args, tmp_path, "kill:2:25", WORKERS, env=ENV, port=port)
     try:
@@ -143,11 +149,19 @@ def test_a_rank_started_again_is_taken_back(tmp_path: Path) -> None:
     back = changes[1]["step"]
     assert summary["udp"]["failures"] == [{"worker": 2, "step": 26, "rejoin": back, "restart": True}]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["live_workers"] for r in rows if r["step"] >= back] == [4] * sum(r["step"] >= back for r in rows)
-    simulated, _, _ = run(make_config(num_workers=WORKERS, steps=1500, eval_every=100, batch_size=32,
-                                      network={"compute_ms": 1.0}, failures=summary["udp"]["failures"]),
-                          tmp_path / "sim")
-    assert abs(summary["final_test_accuracy"] - simulated["final_test_accuracy"]) <= 0.01, (summary, simulated)
+    assert all(r["live_workers"] == 4 for r in rows if r["step"] >= back)
+    replay = tmp_path / "replay"
+    failures = "[" + ",".join("{worker=%(worker)d,step=%(step)d,rejoin=%(rejoin)d,restart=true}" % f
+                              for f in summary["udp"]["failures"]) + "]"
+    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(run_dir / "config.toml"),
+                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(run_dir), "--quiet",
+                          "--set", f"failures={failures}", "--out", str(replay)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    # To float rounding (the store's means add in another order than the simulator's), after 1,500 steps; a
+    # rank taken back with other values than the simulator's rule is off by 1e-1.
+    torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(run_dir)["params"],
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(("transport", "extra", "expected"), [

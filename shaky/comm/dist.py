@@ -668,6 +668,8 @@ class UdpDistComm(DistComm):
             self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, store_timeout_s)
         self.watching = self._quorum is not None
         self._changes: list[tuple[int, torch.Tensor]] = []
+        self._filled: tuple[int, ...] = ()
+        """The ranks that left no record in the last control round (dead)."""
         self.membership_log: list[dict[str, object]] = []
         """Each membership change: the step from which it holds, the live ranks, the ranks taken back, and how
         long the control round that agreed on it took (most of it waiting for the dead rank's heartbeat to go
@@ -839,11 +841,13 @@ class UdpDistComm(DistComm):
             lane.block_average, row, self._round, deadline_s=deadline, weights=weights, servers=servers)
         self._round += 1
         step = self._step
-        return _InFlight(future, lambda done: self._complete(done, step))
+        return _InFlight(future, lambda done: self._complete(done, step, row, servers))
 
-    def _complete(self, future: Future, step: int) -> torch.Tensor:
-        """The result of the exchange launched at ``step``: waits for it, counts it, gathers every rank's
-        masks and the next deadline (a collective)."""
+    def _complete(self, future: Future, step: int, row: torch.Tensor, servers: torch.Tensor | None) -> torch.Tensor:
+        """The result of the exchange launched at ``step`` from ``row``: waits for it, counts it, gathers every
+        rank's masks and the next deadline (a collective). A rank found dead in that gather left no record of
+        what reached it, so the averages it served in this exchange count as lost: every rank keeps its own
+        values of those blocks, and the masks say so (the simulator's replay then computes the same)."""
         t0 = time.perf_counter()
         new, up_obs, down_obs, stats = future.result()
         self.wait_s += time.perf_counter() - t0
@@ -860,15 +864,25 @@ class UdpDistComm(DistComm):
         if self._fixed_s is None:
             self._adaptive.observe_stats(stats)
         proposal = self._fixed_s or self._adaptive.propose()
-        self._observed = self._gather_masks(up_obs, down_obs, proposal, step)
+        self._observed, gone = self._gather_masks(up_obs, down_obs, proposal, step)
         self._completed.append((step, self._observed))
+        if gone:
+            w = self.num_workers
+            srv = servers.tolist() if servers is not None else list(range(w))
+            sizes = block_sizes(row.numel(), w)
+            for j in range(w):
+                if srv[j] in gone:
+                    start = sum(sizes[:j])
+                    new[start:start + sizes[j]] = row[start:start + sizes[j]]
         return new[None]
 
     # ------------------------------------------------------------------ the control plane (gloo, or a quorum)
 
-    def _all_gather(self, x: torch.Tensor, *, fill: float | None) -> list[torch.Tensor]:
+    def _all_gather(self, x: torch.Tensor, *,
+                    fill: float | Callable[[int], torch.Tensor] | None) -> list[torch.Tensor]:
         """Every rank's ``x`` (the same shape and dtype on every rank), in rank order. With live membership,
-        the ranks that are dead or were just left out give ``fill`` (None: the mean of the others' values)."""
+        the ranks that are dead or were just left out give ``fill`` (a value, a function of the rank, or None:
+        the mean of the others' values)."""
         if self._quorum is None:
             parts = [torch.empty_like(x) for _ in range(self.num_workers)]
             dist.all_gather(parts, x.contiguous())
@@ -881,6 +895,9 @@ class UdpDistComm(DistComm):
         got = {r: torch.frombuffer(bytearray(b), dtype=x.dtype).view(x.shape) for r, b in records.items()}
         if len(got) == self.num_workers:
             return [got[r] for r in range(self.num_workers)]
+        self._filled = tuple(r for r in range(self.num_workers) if r not in got)
+        if callable(fill):
+            return [got[r] if r in got else fill(r) for r in range(self.num_workers)]
         stand_in = torch.stack(list(got.values())).mean(dim=0) if fill is None else torch.full_like(x, fill)
         return [got.get(r, stand_in) for r in range(self.num_workers)]
 
@@ -921,19 +938,30 @@ class UdpDistComm(DistComm):
         else:
             self._quorum.round(b"")
 
-    def _gather_masks(self, up_obs: torch.Tensor, down_obs: torch.Tensor, proposal: float, step: int) -> LinkSample:
-        """Every rank's observed masks as the run's [W, W, S] masks, and the agreed deadline of the next round."""
+    def _gather_masks(self, up_obs: torch.Tensor, down_obs: torch.Tensor, proposal: float,
+                      step: int) -> tuple[LinkSample, tuple[int, ...]]:
+        """Every rank's observed masks as the run's [W, W, S] masks, and the agreed deadline of the next round;
+        with the ranks that left no record (dead): nothing reached them, and what they served counts as lost."""
         w, nseg = up_obs.shape
         mine = torch.cat([up_obs.reshape(-1).to(torch.uint8), down_obs.reshape(-1).to(torch.uint8),
                           torch.frombuffer(bytearray(struct.pack("<d", proposal)), dtype=torch.uint8)])
-        parts = self._all_gather(mine, fill=0)
+        def nothing_arrived(rank: int) -> torch.Tensor:     # a dead rank's record: only its own links
+            own = torch.zeros(2, w, nseg, dtype=torch.uint8)
+            own[:, rank] = 1
+            return torch.cat([own.reshape(-1), torch.zeros(8, dtype=torch.uint8)])
+
+        parts = self._all_gather(mine, fill=nothing_arrived)
         every = torch.stack(parts)                                  # [rank, 2 W S + 8]
         n = w * nseg
         # Rank r's up_obs[i, k] is up[sender i, server r, k]; its down_obs[s, k] is down[server s, worker r, k].
         up = every[:, :n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
         down = every[:, n:2 * n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
         self._deadline_s = max(struct.unpack("<d", bytes(p[2 * n:].tolist()))[0] for p in parts if p[2 * n:].any())
-        return LinkSample(step, up, down, self.segment_bytes)
+        gone = self._filled if self._quorum is not None else ()
+        for r in gone:
+            down[r] = False
+            down[r, r] = True
+        return LinkSample(step, up, down, self.segment_bytes), gone
 
     def transport_stats(self, before: dict[str, Any] | None = None) -> dict[str, Any]:
         """The run's datagram counters summed over the ranks (a collective), plus ``before`` (the same table

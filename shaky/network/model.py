@@ -289,9 +289,11 @@ class TraceNetwork(NetworkModel):
         if round_ >= self.num_rounds:
             raise IndexError(f"the replayed trace holds {self.num_rounds} rounds; round {round_} was asked for")
         w = self.num_workers
+        # A worker's message to itself never travels: its diagonal is True whatever the file says (a rank
+        # that died before its peers agreed on it recorded nothing, and an average over no sender is 0 / 0).
         if not self.segment_bytes:
             unpack = lambda a: torch.from_numpy(  # noqa: E731
-                np.unpackbits(a[round_], count=w * w).astype(bool).reshape(w, w))
+                np.unpackbits(a[round_], count=w * w).astype(bool).reshape(w, w) | self._eye)
             return LinkSample(round_, unpack(self._up), unpack(self._down))
         return LinkSample(round_, self._unpack_segments(self._up[round_]), self._unpack_segments(self._down[round_]),
                           self.segment_bytes)
@@ -299,7 +301,7 @@ class TraceNetwork(NetworkModel):
     def _unpack_segments(self, row: np.ndarray) -> torch.Tensor:
         """One round's row of S packed planes as a bool [W, W, S] mask."""
         w, s = self.num_workers, self.num_segments
-        planes = np.unpackbits(row.reshape(s, -1), axis=1, count=w * w).astype(bool).reshape(s, w, w)
+        planes = np.unpackbits(row.reshape(s, -1), axis=1, count=w * w).astype(bool).reshape(s, w, w) | self._eye
         return torch.from_numpy(np.ascontiguousarray(planes.transpose(1, 2, 0)))
 
 
