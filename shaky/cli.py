@@ -303,8 +303,8 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
                   f"({run_dir})", file=sys.stderr, flush=True)
         welcome = comm.await_welcome(cfg.dist_timeout_s)
         if not args.quiet:
-            print(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}", file=sys.stderr,
-                  flush=True)
+            print(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}, "
+                  f"{comm.join_wait_s:.2f} s after asking", file=sys.stderr, flush=True)
         with _stopping(run_dir, "torchrun ... -m shaky train", writer=False):
             train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
                   faults=_faults(), welcome=welcome)

@@ -158,10 +158,11 @@ def test_a_rank_started_again_is_taken_back(tmp_path: Path) -> None:
                           "--set", f"failures={failures}", "--out", str(replay)],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert sim.returncode == 0, sim.stderr[-2000:]
-    # To float rounding (the store's means add in another order than the simulator's), after 1,500 steps; a
-    # rank taken back with other values than the simulator's rule is off by 1e-1.
+    # To float rounding, which grows to 1e-4 over 1,500 steps even without a failure (the transport adds in
+    # another order than the simulator: 8.8e-5 measured for rps); replayed with the rank keeping its own
+    # momentum (restart = false) the same run is 0.17 off.
     torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(run_dir)["params"],
-                               rtol=1e-4, atol=1e-4)
+                               rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize(("transport", "extra", "expected"), [

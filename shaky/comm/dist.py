@@ -120,10 +120,13 @@ class DistComm:
                 self._store.add(key, 1)
                 if self.watching:     # live membership: when each other rank's heartbeat last moved
                     now = time.monotonic()
+                    # A beat seen moving now moved after the last look: its silence counts from then, so a
+                    # dead rank is found silent within the timeout of its last beat, not a look later.
+                    before = self._looked_at or now
                     for r in others:
                         beat = int(self._store.add(f"shaky/beat/{r}", 0))
                         if self._beats_seen.get(r, (None,))[0] != beat:
-                            self._beats_seen[r] = (beat, now)
+                            self._beats_seen[r] = (beat, before)
                     self._looked_at = now
             except RuntimeError:  # the store is gone (its host died, or the job ended)
                 return
@@ -132,8 +135,9 @@ class DistComm:
 
     def silent_s(self, rank: int) -> float:
         """How long ``rank``'s heartbeat has not moved (with :attr:`watching`; 0 before the first look): from
-        the look that saw it last move to now, but never past one beat after this thread's last look, so a pause
-        of this process (SIGSTOP, a stalled machine) is not taken for silence of the others."""
+        the look before the one that saw it last move (an upper bound: it moved after that look) to now, but
+        never past one beat after this thread's last look, so a pause of this process (SIGSTOP, a stalled
+        machine) is not taken for silence of the others."""
         seen = self._beats_seen.get(rank)
         return 0.0 if seen is None else min(time.monotonic(), self._looked_at + HEARTBEAT_S) - seen[1]
 
@@ -678,6 +682,9 @@ class UdpDistComm(DistComm):
             dist.barrier()
         else:
             self._quorum.store.set(self._quorum.join_key(me), fingerprint)
+            self._asked_at = time.monotonic()
+        self.join_wait_s = 0.0
+        """A rank started again: seconds from its request to be taken back to the survivors' welcome."""
 
     def _connect(self, fingerprint: str) -> None:
         """Every lane learns every rank's address from the store (at the start, and whenever ranks are taken
@@ -738,11 +745,12 @@ class UdpDistComm(DistComm):
         flight): the lowest live rank hands each the run's state, ``snapshot`` (the training loop's) with the
         control plane's own (the next round's number, the live ranks, the next exchange's number and deadline);
         every rank learns their new addresses, and the change is recorded (:meth:`take_membership`)."""
-        q = self._quorum
+        q, t0 = self._quorum, time.perf_counter()
         if q is None:
             raise RuntimeError("ranks are taken back only with live membership")
         live = tuple(sorted({*q.live, *joiners}))
-        entry = {"step": self._step, "live": list(live), "rejoined": list(joiners), "round_s": 0.0}
+        entry: dict[str, object] = {"step": self._step, "live": list(live), "rejoined": list(joiners),
+                                    "round_s": 0.0}
         if self.rank == q.live[0]:
             buffer = io.BytesIO()
             torch.save({"train": snapshot, "comm": {
@@ -753,6 +761,7 @@ class UdpDistComm(DistComm):
                 q.store.set(q.welcome_key(r), buffer.getvalue())
                 q.store.delete_key(q.join_key(r))
         q.resume_at(q.seq, live)
+        entry["round_s"] = round(time.perf_counter() - t0, 3)     # what handing the state over cost this rank
         self._connect(self._fingerprint)
         now = time.monotonic()
         for r in joiners:   # its request to join is its latest sign of life: silent from now on, if at all
@@ -778,6 +787,7 @@ class UdpDistComm(DistComm):
                 time.sleep(0.02)
             data = q.store.get(q.welcome_key(me))
             q.store.delete_key(q.welcome_key(me))
+            self.join_wait_s = time.monotonic() - self._asked_at
         except NotTakenBack:
             raise
         except RuntimeError:     # the store went away with its host
