@@ -731,9 +731,13 @@ def process_settings(*, shared_cores: bool = False) -> None:
       single-threaded process per core, where the policy does not matter.
     * glibc malloc keeps freed memory: every step allocates and frees the same large tensors, and
       returning them to the OS costs a page fault per 4 KiB per step.
+    * ``shared_cores`` also: ``TORCH_CPP_LOG_LEVEL=ERROR`` unless set. torch.distributed's C++ warns, with a
+      stack trace, about every store request that times out or finds its peer gone; a run that loses a rank
+      says what happened in one line of its own (and live membership waits on the store on purpose).
     """
     if shared_cores:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from shaky.vectorized import tune_allocator  # noqa: PLC0415
 
     tune_allocator()

@@ -193,3 +193,20 @@ def test_a_process_that_cannot_rejoin_says_why_in_one_line(transport: str, extra
         _finish(procs, timeout=30)
     lines = [line for line in err.splitlines() if line.startswith("shaky: error:")]
     assert code == 2 and len(lines) == 1 and expected in lines[0], err[-2000:]
+
+
+def test_when_the_store_host_dies_every_rank_stops_with_one_line_and_the_run_resumes(tmp_path: Path) -> None:
+    """Rank 0 hosts the rendezvous store (the control plane): when it is killed, the others stop with one line
+    naming it and the last checkpoint (status 3), and the same command line with --resume ends the run."""
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "--steps", "120", "--checkpoint-every", "40"]
+    results = _finish(_launch([*args, "--out", str(run_dir)], tmp_path, fault="kill:0:50"), timeout=180)
+    assert results[0][0] == -signal.SIGKILL
+    for code, err in results[1:]:
+        assert code == 3 and err.count("\n") == 1, err[-2000:]
+        assert "rank 0, which hosts the rendezvous store, is gone" in err and "at step 40" in err, err
+    resumed = _finish(_launch(["--resume", str(run_dir), "--quiet"], tmp_path, fault=""), timeout=180)
+    for code, err in resumed:
+        assert code == 0, err[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 120 and summary["live_workers"] == 4
