@@ -11,7 +11,11 @@ the simulator, and both backends agree round by round.
 :class:`UdpDistComm` moves the block averages to the UDP data plane
 (``shaky.comm.udp``) instead: the loss is the network's, and the masks are what
 arrived, gathered from every rank after each exchange. The rest (exact means,
-checkpoints, evaluation, the deadline agreement) stays on gloo."""
+checkpoints, evaluation, the deadline agreement) stays on gloo, or, with live
+membership (``shaky train``'s default on udp), goes through the rendezvous store
+in :class:`_Quorum` rounds: a rank that dies is left out and the survivors train
+on, and a process started again for it is taken back (:func:`run_in_progress`,
+:meth:`UdpDistComm.welcome`)."""
 
 from __future__ import annotations
 
