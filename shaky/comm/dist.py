@@ -556,8 +556,8 @@ class _Quorum:
             joining = [r for r in dead if store.check([self.join_key(r)])]
             if joining:
                 proposal += "+" + ",".join(map(str, joining))
-        store.compare_set(commit, "", proposal)
-        agreed, _, joining_part = store.get(commit).decode().partition("+")
+        # The reply is the commit that holds (this proposal, or the first writer's).
+        agreed, _, joining_part = store.compare_set(commit, "", proposal).decode().partition("+")
         included = tuple(int(r) for r in agreed.split(","))
         if self.rank not in included:
             raise self._left_behind()
