@@ -172,7 +172,8 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         counters.messages_sent += stats.messages_sent
         counters.comm_rounds += 1 if stats.phases else 0
         live_weights = None if rnd.members.all_live else rnd.members.live.to(params.dtype)
-        counters.train_loss_sum += float(comm.mean(losses.detach()[:, None], live_weights)[0, 0])
+        mean_loss, stop = _loss_and_stop(losses.detach(), live_weights, signals, comm)
+        counters.train_loss_sum += mean_loss
         counters.train_loss_count += 1
         bar.advance()
 
@@ -185,7 +186,7 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
                 if metrics.writer:
                     metrics.summary(diverged=True, error=error).write(metrics.run_dir)
                 raise FloatingPointError(error)
-        stop = _stop_requested(signals, comm) if counters.step < cfg.steps else None
+        stop = stop if counters.step < cfg.steps else None
         if stop is not None or (cfg.checkpoint_every and counters.step % cfg.checkpoint_every == 0
                                 and counters.step < cfg.steps):
             _checkpoint(setup, metrics.run_dir, comm, params, state, counters, clock, masks, metrics.writer,
@@ -228,17 +229,21 @@ def _take_back(joined: Membership, was_live: torch.Tensor, comm: Comm, params: t
     return synced(params), map_rejoined(state, synced, averaged(joined.restarted))
 
 
-def _stop_requested(signals: SignalWatch, comm: Comm) -> int | None:
-    """The signal that asks this run to stop after this step, agreed by every rank (None: go on).
+def _loss_and_stop(losses: torch.Tensor, weights: torch.Tensor | None, signals: SignalWatch,
+                   comm: Comm) -> tuple[float, int | None]:
+    """The live workers' mean training loss of the step, and the signal that asks the run to stop after it,
+    agreed by every rank (None: go on).
 
-    On the dist backend, one value per rank in an all-reduce: any rank's signal stops every rank after the
-    same step (a rank that received none reports SIGTERM). On the simulator, a local check.
+    On the dist backend one mean carries both (one collective a step, not two): any rank's signal stops every
+    rank after the same step (a rank that received none reports SIGTERM). On the simulator, the loss mean as
+    ever and a local check.
     """
     mine = signals.received or 0
     if isinstance(comm, SimComm):
-        return mine or None
-    anyone = float(comm.mean(torch.full((len(comm.rows), 1), float(mine > 0), dtype=torch.float64))[0, 0]) > 0
-    return (mine or int(signal.SIGTERM)) if anyone else None
+        return float(comm.mean(losses[:, None], weights)[0, 0]), mine or None
+    flags = torch.full_like(losses[:, None], float(mine > 0))
+    both = comm.mean(torch.cat([losses[:, None], flags], dim=1), weights)
+    return float(both[0, 0]), (mine or int(signal.SIGTERM)) if float(both[0, 1]) > 0 else None
 
 
 def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: _Masks, *, resume: bool,
