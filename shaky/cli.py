@@ -192,7 +192,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg, run_dir = _train_config(args)
-        joining = _joining() if cfg.backend == "dist" else None
+        joining = _joining(cfg.dist_timeout_s) if cfg.backend == "dist" else None
         if joining is None:
             _check_out(args)
         setup = prepare(cfg, measure=cfg.backend != "dist")  # dist: rank 0 measures alone (_train_dist)
@@ -260,15 +260,14 @@ def _checkpoint_note(run_dir: Path, command: str = "torchrun ... -m shaky train"
     return f"{path} at step {step}; resume with `{command} --resume {run_dir}`"
 
 
-def _joining() -> Any:
+def _joining(timeout_s: float) -> Any:
     """A process of a torchrun-style job (RANK > 0) started again for a rank that died: the run in progress
     at MASTER_ADDR:MASTER_PORT (``shaky.comm.dist.run_in_progress``), else None."""
     if "RANK" not in os.environ or os.environ.get("RANK") == "0" or "MASTER_PORT" not in os.environ:
         return None
     from shaky.comm.dist import run_in_progress  # noqa: PLC0415
-    from shaky.config import RunConfig  # noqa: PLC0415
 
-    return run_in_progress(RunConfig().dist_timeout_s)
+    return run_in_progress(timeout_s)
 
 
 def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:

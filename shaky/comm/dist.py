@@ -907,9 +907,9 @@ class UdpDistComm(DistComm):
             self._changed(self._quorum.live, {"step": self._step + 1, "live": list(self._quorum.live),
                                               "round_s": round(time.perf_counter() - t0, 3)})
         got = {r: torch.frombuffer(bytearray(b), dtype=x.dtype).view(x.shape) for r, b in records.items()}
-        if len(got) == self.num_workers:
-            return [got[r] for r in range(self.num_workers)]
         self._filled = tuple(r for r in range(self.num_workers) if r not in got)
+        if not self._filled:
+            return [got[r] for r in range(self.num_workers)]
         if callable(fill):
             return [got[r] if r in got else fill(r) for r in range(self.num_workers)]
         stand_in = torch.stack(list(got.values())).mean(dim=0) if fill is None else torch.full_like(x, fill)
