@@ -159,8 +159,9 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
             params, state = _take_back(rnd.members, members.live(step - 1), comm, params, state)
         evaluating = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
         idx = sampler.indices(step)
-        params, state, stats, losses, grads = train_step(setup.grad_fn, strategy, params, state, x_train[idx],
-                                                         y_train[idx], batch_mask, comm, rnd, need_grads=evaluating)
+        params, state, stats, losses, grads = train_step(setup.grad_fn, strategy, params, state, _take(x_train, idx),
+                                                         _take(y_train, idx), batch_mask, comm, rnd,
+                                                         need_grads=evaluating)
         masks.record(step, rnd.links, stats, counters)
         masks.settle(comm, counters)
 
@@ -195,6 +196,11 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
             bar.close()
             raise Stopped(stop, counters.step, cfg.steps)
     return params, state
+
+
+def _take(data: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``data[idx]`` for an index tensor of any shape (index_select: a third of advanced indexing's time)."""
+    return data.index_select(0, idx.reshape(-1)).view(*idx.shape, *data.shape[1:])
 
 
 def _welcome(joiners: tuple[int, ...], comm: Comm, members: FailureSchedule, clock: Clock, masks: _Masks,

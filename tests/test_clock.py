@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shaky.config import NetworkConfig, config_from_dict
-from shaky.network.clock import Clock, ClockState, hiding_period, scalability
+from shaky.network.clock import Clock, ClockState, PhaseTraffic, hiding_period, scalability
 from shaky.network.model import LinkSample, NetworkModel
 from shaky.network.presets import REGION_RTT_MS, region_of_workers
 from shaky.scale import Workload, exchange_seconds, recommended_period, strategy_scalability
@@ -230,3 +230,30 @@ def test_geo4_resnet50_scalability() -> None:
     dts = strategy_scalability("dts", cfg, work, period=t, delay=t)
     assert allreduce <= 0.05 and dts >= 0.7
     assert allreduce == pytest.approx(0.3 / (0.3 + exchange_seconds("allreduce", cfg, work)), rel=1e-3)
+
+
+def test_a_phase_s_figures_are_kept_only_for_arrays_that_cannot_change() -> None:
+    """The clock and the counters keep what a read-only traffic array decides (the cached arrays a run reuses
+    every step); a writable array is read afresh each time, so writing into it changes the figures."""
+    w = 3
+    clock = _clock(w, bandwidth_mbps=8.0, latency_ms=10.0)
+    link_bytes = np.full((w, w), 1000.0) - np.eye(w) * 1000.0
+    delivered = torch.ones(w, w, dtype=torch.bool)
+    writable = PhaseTraffic(link_bytes, delivered, False)
+    before = (clock.phase_seconds(writable), writable.messages, writable.bytes_sent)
+    link_bytes[0, 1] = 0.0
+    link_bytes[1, 0] = 4000.0
+    after = (clock.phase_seconds(writable), writable.messages, writable.bytes_sent)
+    assert after[1:] == (before[1] - 1, before[2] + 3000 - 1000)
+    # sender 1 now sends 5,000 bytes at 1 MB/s, plus 10 ms: 15 ms (it was 12 ms)
+    assert after[0] == pytest.approx(0.015) and before[0] == pytest.approx(0.012)
+
+    frozen = link_bytes.copy()
+    frozen.flags.writeable = False
+    phase = PhaseTraffic(frozen, delivered, False)
+    assert (clock.phase_seconds(phase), phase.messages, phase.bytes_sent) == after
+    assert clock.phase_seconds(phase) == clock._sent_s(frozen)[0]
+    assert id(frozen) in clock._sent_s._memo
+    view = frozen[:, :]                        # read-only but not owning its data: never kept
+    assert clock.phase_seconds(PhaseTraffic(view, delivered, False)) == after[0]
+    assert id(view) not in clock._sent_s._memo

@@ -150,3 +150,27 @@ def test_fold_lays_images_out_channels_last_with_each_workers_channels_together(
     assert folded.is_contiguous(memory_format=torch.channels_last)
     for worker in range(w):
         assert torch.equal(folded[:, worker * channels:(worker + 1) * channels], x[worker])
+
+
+def test_the_linear_path_s_kept_views_and_sample_weights_follow_new_tensors_and_in_place_writes() -> None:
+    """The fused MLP path keeps its parameter views and the mask's sample weights between calls (a training
+    loop passes the same tensors every step): a new parameter tensor, a parameter tensor written in place and a
+    mask changed in place must each give what the generic path gives for them."""
+    model, flat, params, x, y, mask = _setup("mlp", (64,), workers=3, batch=5)
+    fast, _ = make_functions(model, flat)
+    generic, _ = generic_functions(model, flat)
+
+    def check(p: torch.Tensor, m: torch.Tensor) -> None:
+        g_fast, l_fast = fast(p, x, y, m)
+        g_ref, l_ref = generic(p, x, y, m)
+        torch.testing.assert_close(g_fast, g_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(l_fast, l_ref, rtol=1e-5, atol=1e-6)
+
+    check(params, mask)
+    other = params.flip(0).contiguous()        # another storage
+    check(other, mask)
+    params.mul_(0.5)                           # the first storage again, written in place
+    check(params, mask)
+    mask[0, 1:] = 0.0                          # the same mask object, changed in place
+    check(params, mask)
+    check(params, mask.clone())

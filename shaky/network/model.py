@@ -136,7 +136,7 @@ class NetworkModel:
         if self.segment_bytes:
             return self._sample_segments(round_)
         u = self._rng(round_).random((2,) + self.drop.shape)
-        drop = np.broadcast_to(self.drop, u.shape)
+        drop = self.drop   # [W, W], for both slots of u
         if self.burst_enter > 0.0:
             drop = np.where(self._advance_chain(round_), self.burst_drop, drop)
         delivered = (u >= drop) | self._eye
