@@ -10,7 +10,10 @@ steps, the sampler, the masks, the clock and the metrics all included), once per
 variant (``default``: no environment variable set, what a user gets; any other
 variant: ``NAME=VALUE`` pairs joined by ``,`` added to the environment), and
 then ``benchmarks/sim.py``'s limit (c) for the same W (one model at batch
-W x 32, forward, backward and an SGD step, torch's default threads). A run's
+W x B, forward, backward and an SGD step, torch's default threads). B is 32, the
+default, where the 1,437 training samples of digits give every worker a shard of
+at least 32; beyond 44 workers it is the largest power of two a shard holds (16 at
+W = 64, whose shards hold 22), or ``--batch-size``. A run's
 milliseconds per step are summary.json's ``wall_time_s`` over its steps. The
 table shows the median and the fastest of the repeats, and their ratio to (c).
 """
@@ -38,10 +41,24 @@ def _env(variant: str) -> dict[str, str]:
     return env
 
 
-def train_ms(workers: int, steps: int, variant: str, scratch: Path) -> float:
+def batch_for(workers: int, asked: int | None) -> int:
+    """``asked``, else 32 where digits' shards hold it, else the largest power of two they hold."""
+    if asked is not None:
+        return asked
+    sys.path.insert(0, str(ROOT))
+    from shaky.data import load_dataset  # noqa: PLC0415 (scikit-learn: only when needed)
+
+    shard = len(load_dataset("digits", seed=0).y_train) // workers
+    batch = 32
+    while batch > 1 and batch > shard:
+        batch //= 2
+    return batch
+
+
+def train_ms(workers: int, batch: int, steps: int, variant: str, scratch: Path) -> float:
     out = scratch / f"{variant}-{workers}".replace("=", "_").replace(",", "+")
     cmd = [sys.executable, "-m", "shaky", "train", "--strategy", "rps", "--drop-rate", "0.1", "--workers",
-           str(workers), "--steps", str(steps), "--quiet", "--out", str(out)]
+           str(workers), "--batch-size", str(batch), "--steps", str(steps), "--quiet", "--out", str(out)]
     subprocess.run(["rm", "-rf", str(out)], check=True)
     proc = subprocess.run(cmd, env=_env(variant), cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
@@ -50,11 +67,11 @@ def train_ms(workers: int, steps: int, variant: str, scratch: Path) -> float:
     return 1e3 * summary["wall_time_s"] / summary["steps"]
 
 
-def limit_ms(workers: int, scratch: Path) -> tuple[float, float]:
+def limit_ms(workers: int, batch: int, scratch: Path) -> tuple[float, float]:
     """(median, fastest) ms of (c) from benchmarks/sim.py, run as a user runs it."""
     out = scratch / f"sim-{workers}.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "sim.py"), "--quick", "--models", "mlp", "--workers",
-           str(workers), "--no-gloo", "--no-memory", "--no-vmap", "--json", str(out)]
+           str(workers), "--batch", str(batch), "--no-gloo", "--no-memory", "--no-vmap", "--json", str(out)]
     proc = subprocess.run(cmd, env=_env("default"), cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise SystemExit(f"benchmarks/loop.py: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -67,9 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--steps", type=int, default=1000, help="steps of each shaky train run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="per worker (default: 32 where digits' shards hold it, else what they hold)")
     parser.add_argument("--variants", nargs="+", default=["default"],
                         help="'default' (no environment variable) or NAME=VALUE[,NAME=VALUE...]")
     args = parser.parse_args(argv)
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1; got {args.batch_size}")
+    batches = {w: batch_for(w, args.batch_size) for w in args.workers}
     print(f"shaky benchmarks/loop.py: {os.cpu_count()} CPUs, digits mlp rps drop 0.1, {args.steps} steps, "
           f"{args.repeats} repeats, load average {os.getloadavg()[0]:.1f}", flush=True)
     runs: dict[tuple[int, str], list[float]] = {}
@@ -79,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             for w in args.workers:
                 for v in args.variants:
-                    runs.setdefault((w, v), []).append(train_ms(w, args.steps, v, scratch))
-                limits.setdefault(w, []).append(limit_ms(w, scratch))
-                print(f"  repeat {r + 1} W={w}: " + ", ".join(f"{v} {runs[(w, v)][-1]:.2f}" for v in args.variants)
+                    runs.setdefault((w, v), []).append(train_ms(w, batches[w], args.steps, v, scratch))
+                limits.setdefault(w, []).append(limit_ms(w, batches[w], scratch))
+                print(f"  repeat {r + 1} W={w} B={batches[w]}: " + ", ".join(f"{v} {runs[(w, v)][-1]:.2f}" for v in args.variants)
                       + f", c {limits[w][-1][0]:.2f} ms", flush=True)
     print()
-    header = f"{'W':>3}  {'variant':<32} {'ms/step':>8} {'min':>6} {'c ms':>6} {'c min':>6} {'ratio':>6} {'min ratio':>9}"
+    header = f"{'W':>3} {'B':>3}  {'variant':<32} {'ms/step':>8} {'min':>6} {'c ms':>6} {'c min':>6} {'ratio':>6} {'min ratio':>9}"
     print(header)
     print("-" * len(header))
     for w in args.workers:
@@ -93,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in args.variants:
             ms = statistics.median(runs[(w, v)])
             fastest = min(runs[(w, v)])
-            print(f"{w:>3}  {v:<32} {ms:>8.2f} {fastest:>6.2f} {c:>6.2f} {c_min:>6.2f} {ms / c:>6.2f} "
+            print(f"{w:>3} {batches[w]:>3}  {v:<32} {ms:>8.2f} {fastest:>6.2f} {c:>6.2f} {c_min:>6.2f} {ms / c:>6.2f} "
                   f"{fastest / c_min:>9.2f}")
     print(f"\nratio: median ms per step of shaky train over the median of (c); min ratio: fastest over fastest. "
           f"load average now {os.getloadavg()[0]:.1f}")
