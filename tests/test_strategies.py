@@ -7,6 +7,7 @@ from math import comb
 import pytest
 import torch
 
+from shaky.comm import native
 from shaky.comm.sim import SimComm
 from shaky.config import NetworkConfig, OptimConfig, StrategyConfig
 from shaky.network.model import NetworkModel
@@ -134,6 +135,32 @@ def test_step_leaves_params_and_state_alone_and_may_only_reuse_grads(name: str, 
         assert all(torch.equal(a, b) for a, b in zip(_tensors(new_state), _tensors(again_state)))
         assert torch.equal(column_major, grads)
         params, state = new, new_state
+
+
+@pytest.mark.skipif(native.FASTPATH is None, reason="the compiled library (shaky/comm/_fastpath.c) was not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_block_average_s_compiled_copies_give_the_torch_path_s_bits(monkeypatch: pytest.MonkeyPatch,
+                                                                    dtype: torch.dtype) -> None:
+    """Where the install built shaky/comm/_fastpath.c, the block average's copies run in C; a run's numbers must
+    not depend on whether it was built: both paths give the same bits, in place or not, with uneven blocks,
+    weights, moved servers, a strided input and fewer values than workers."""
+    gen = torch.Generator().manual_seed(4)
+    for w, dim, drop in ((16, 26122, 0.1), (5, 37, 0.5), (7, 3, 0.3), (4, 40, 0.9), (3, 0, 0.5)):
+        network = NetworkModel(NetworkConfig(drop_rate=drop), w, seed=w)
+        for step in range(3):
+            links = network.sample(step)
+            x = torch.randn(w, dim + 3, generator=gen, dtype=dtype)
+            weights = torch.rand(w, generator=gen, dtype=torch.float64) + 0.5 if step == 1 else None
+            servers = torch.randperm(w, generator=gen) if step == 2 else None
+            for source, overwrite in ((x[:, :dim].contiguous(), False), (x[:, :dim].contiguous(), True),
+                                      (x[:, 2:dim + 2], False)):
+                args = (links.up, links.down)
+                kwargs = {"weights": weights, "servers": servers, "overwrite": overwrite}
+                compiled = SimComm(w).block_average(source.clone() if overwrite else source, *args, **kwargs)
+                with monkeypatch.context() as m:
+                    m.setattr(native, "FASTPATH", None)
+                    reference = SimComm(w).block_average(source.clone() if overwrite else source, *args, **kwargs)
+                assert torch.equal(compiled, reference), (w, dim, drop, step, overwrite)
 
 
 def test_block_average_in_place_matches_a_fresh_result() -> None:

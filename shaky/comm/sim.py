@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from shaky.comm import native
 from shaky.comm.base import Done, block_sizes, segment_counts, segment_length
 
 if TYPE_CHECKING:
     from shaky.network.model import LinkSample
+
+
+@lru_cache(maxsize=64)
+def _block_bytes(sizes: tuple[int, ...], itemsize: int) -> np.ndarray:
+    """int64 [W]: each block's size in bytes (kept alive here: the C call reads it by address)."""
+    out = np.asarray(sizes, dtype=np.int64) * itemsize
+    out.flags.writeable = False
+    return out
 
 
 class SimComm:
@@ -79,6 +90,8 @@ class SimComm:
         share = (up_f / up_f.sum(0)).T.unsqueeze(1).contiguous()  # [servers, 1, senders]: each arrival's weight
         lost = ~down.T                                       # [workers, servers]: the average did not come back
         out = x if overwrite and x.is_contiguous() else torch.empty_like(x)
+        if native.FASTPATH is not None and x.device.type == "cpu" and x.stride(1) == 1 and out.stride(1) == 1:
+            return self._take_blocks(native.FASTPATH, x, out, share, lost, groups, sizes)
         start = 0
         for first, last, size in groups:
             if size == 0:
@@ -96,6 +109,30 @@ class SimComm:
             if kept is not None:
                 target[workers, servers] = kept
             start = stop
+        return out
+
+    @staticmethod
+    def _take_blocks(lib: Any, x: torch.Tensor, out: torch.Tensor, share: torch.Tensor, lost: torch.Tensor,
+                     groups: list[tuple[int, int, int]], sizes: list[int]) -> torch.Tensor:
+        """:meth:`block_average`'s rule with its copies in C (``shaky_take_blocks``, where the install built it):
+        the averages from the same batched matrix products, then each worker's row written in one pass, block
+        by block, from the averages or, where one was lost, from its own values. The same bits as the torch path
+        (the rest is copies) without its nonzero, gather and scatter per group of blocks."""
+        w, dim = x.shape
+        avg = x.new_empty(dim)                               # every server's average of its block, side by side
+        start = 0
+        for first, last, size in groups:
+            if size == 0:
+                continue
+            stop = start + (last - first) * size
+            blocks = x[:, start:stop].view(w, last - first, size)
+            # (not bmm's out=: written at an offset, its sums came out 1 ulp apart here and there)
+            avg[start:stop] = torch.bmm(share[first:last], blocks.transpose(0, 1)).view(-1)
+            start = stop
+        lost = lost.contiguous()                             # bool: a byte each, [worker, server]
+        block_bytes = _block_bytes(tuple(sizes), x.element_size())
+        lib.shaky_take_blocks(out.data_ptr(), x.data_ptr(), avg.data_ptr(), lost.data_ptr(), block_bytes.ctypes.data,
+                              w, out.stride(0) * out.element_size(), x.stride(0) * x.element_size())
         return out
 
     def _segment_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None,

@@ -87,7 +87,6 @@ import errno
 import hashlib
 import heapq
 import hmac
-import importlib.machinery
 import math
 import os
 import select
@@ -99,12 +98,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from shaky.comm.base import block_sizes, segment_counts, segment_length
+from shaky.comm.native import FASTPATH
 
 HEADER = struct.Struct("<2sBBBBHQQIII")
 _HEADER_DTYPE = np.dtype([("magic", "S2"), ("version", "u1"), ("phase", "u1"), ("dtype", "u1"), ("flags", "u1"),
@@ -148,33 +147,6 @@ another run's; tag does not verify; a round before the previous one; a later rou
 space is full; already received."""
 
 
-def _load_fastpath() -> ctypes.CDLL | None:
-    """The compiled per-datagram work (``shaky/comm/_fastpath.c``, built by the install where a C compiler and
-    OpenSSL's headers are found), or None: the same work in Python."""
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = Path(__file__).with_name("_fastpath" + suffix)
-        if path.is_file():
-            break
-    else:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))       # CDLL: every call releases the GIL
-    except OSError:
-        return None
-    p, size = ctypes.c_void_p, ctypes.c_size_t
-    lib.shaky_mac_size.argtypes, lib.shaky_mac_size.restype = [], size
-    lib.shaky_mac_init.argtypes, lib.shaky_mac_init.restype = [p, ctypes.c_char_p, size], ctypes.c_int
-    lib.shaky_tags.argtypes, lib.shaky_tags.restype = [p, p, size, p, size, size, p], None
-    lib.shaky_recv.argtypes = [ctypes.c_int, p, size, ctypes.c_int, p, p]
-    lib.shaky_recv.restype = ctypes.c_int
-    lib.shaky_check.argtypes = [p, p, size, p, p, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64,
-                                ctypes.c_uint8, ctypes.c_uint32, p, ctypes.c_uint32, p, p, p, p]
-    lib.shaky_check.restype = ctypes.c_int
-    return lib
-
-
-FASTPATH = _load_fastpath()
-"""The compiled fast path where the install built it, else None (``UdpExchange.info()["compiled"]``)."""
 RECV_BATCH = 64
 """Datagrams one ``recvmmsg`` call takes at most (the compiled path)."""
 
