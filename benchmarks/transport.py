@@ -89,12 +89,18 @@ SLACK_S = 10.0
 
 # ------------------------------------------------------------------------------------------ the namespace
 
-def _unavailable() -> str:
+PACKAGES = {"unshare": "util-linux", "ip": "iproute2", "iptables": "iptables"}
+"""The Debian package of each tool a namespace benchmark runs."""
+
+
+def _unavailable(tools: tuple[str, ...] = ("unshare", "ip", "iptables"),
+                 what: str = "a network namespace and an iptables rule") -> str:
+    """Why this machine cannot run a benchmark that needs ``tools`` in a network namespace ("" if it can)."""
     if os.geteuid() != 0:
-        return "needs root (a network namespace and an iptables rule)"
-    for tool in ("unshare", "ip", "iptables"):
+        return f"needs root ({what})"
+    for tool in tools:
         if shutil.which(tool) is None:
-            return f"needs {tool} (apt-get install util-linux iproute2 iptables)"
+            return f"needs {tool} (apt-get install {' '.join(PACKAGES[t] for t in tools)})"
     if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
         return "needs unshare --net (creating a network namespace failed)"
     return ""
