@@ -245,9 +245,8 @@ def _loss_and_stop(losses: torch.Tensor, weights: torch.Tensor | None, signals: 
     ever and a local check.
     """
     mine = signals.received or 0
-    if isinstance(comm, SimComm):   # (losses.mean() is comm.mean's number for a vector, in one operation)
-        mean = losses.mean() if weights is None else comm.mean(losses[:, None], weights)[0, 0]
-        return float(mean), mine or None
+    if isinstance(comm, SimComm):
+        return float(comm.mean(losses[:, None], weights)[0, 0]), mine or None
     flags = torch.full_like(losses[:, None], float(mine > 0))
     both = comm.mean(torch.cat([losses[:, None], flags], dim=1), weights)
     return float(both[0, 0]), (mine or int(signal.SIGTERM)) if float(both[0, 1]) > 0 else None

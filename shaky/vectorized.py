@@ -161,8 +161,7 @@ class _SampleWeights:
     def __call__(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         key = (mask.data_ptr(), mask._version, tuple(mask.shape), tuple(mask.stride()), mask.dtype, dtype)
         if key != self._key:
-            self._key, self._value = None, _sample_weights(mask, dtype)
-            self._key = key
+            self._value, self._key = _sample_weights(mask, dtype), key
         return self._value
 
 
@@ -256,8 +255,7 @@ class _LinearChainGrad(FusedGradFn):
         no other tensor can be allocated at its address while they are kept."""
         key = (params.data_ptr(), tuple(params.shape), tuple(params.stride()), params.dtype)
         if key != self._views_key:
-            self._views_key, self._views = None, _row_views(params.detach(), self.flat)
-            self._views_key = key
+            self._views, self._views_key = _row_views(params.detach(), self.flat), key
         return self._views
 
     def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,

@@ -17,9 +17,20 @@ if TYPE_CHECKING:
 
 
 @lru_cache(maxsize=64)
-def _block_bytes(sizes: tuple[int, ...], itemsize: int) -> np.ndarray:
+def _block_groups(dim: int, num_workers: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The blocks of a ``[W, dim]`` exchange as groups of equal size, (first block, last + 1, first column, size):
+    blocks come in at most two sizes, larger ones first, so a group is a plain reshape ``[W, blocks, size]`` (no
+    gather, no Python loop over the workers). Empty blocks (dim < W) are left out."""
+    sizes = block_sizes(dim, num_workers)
+    big = sizes.count(sizes[0])
+    groups = [(0, big, 0, sizes[0]), (big, num_workers, big * sizes[0], sizes[-1])]
+    return tuple(g for g in groups if g[3] > 0 and g[1] > g[0])
+
+
+@lru_cache(maxsize=64)
+def _block_bytes(dim: int, num_workers: int, itemsize: int) -> np.ndarray:
     """int64 [W]: each block's size in bytes (kept alive here: the C call reads it by address)."""
-    out = np.asarray(sizes, dtype=np.int64) * itemsize
+    out = np.asarray(block_sizes(dim, num_workers), dtype=np.int64) * itemsize
     out.flags.writeable = False
     return out
 
@@ -81,81 +92,55 @@ class SimComm:
         if segment_bytes:
             return self._segment_average(x, up, down, weights, overwrite, segment_bytes)
         w, dim = x.shape
-        sizes = block_sizes(dim, w)
-        # Blocks come in at most two sizes (larger ones first), so each group is a
-        # plain reshape [W senders, blocks, size]: no gather, no Python loop over workers.
-        big = sizes.count(sizes[0])
-        groups = [(0, big, sizes[0]), (big, w, sizes[-1])] if big < w else [(0, w, sizes[0])]
         up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
         share = (up_f / up_f.sum(0)).T.unsqueeze(1).contiguous()  # [servers, 1, senders]: each arrival's weight
         lost = ~down.T                                       # [workers, servers]: the average did not come back
+        groups = _block_groups(dim, w)
+        # Every server's average of its block, side by side in one row (read before anything is written: ``out``
+        # may be ``x``) ...
+        avg = x.new_empty(dim)
+        for first, last, start, size in groups:
+            blocks = x[:, start:start + (last - first) * size].view(w, last - first, size)
+            # (a fresh bmm, then copied: bmm's out= at an offset summed 1 ulp apart here and there)
+            avg[start:start + (last - first) * size] = torch.bmm(share[first:last], blocks.transpose(0, 1)).view(-1)
+        # ... taken by every worker, except where it was lost: there it keeps its own block.
         out = x if overwrite and x.is_contiguous() else torch.empty_like(x)
-        if native.FASTPATH is not None and x.device.type == "cpu" and x.stride(1) == 1 and out.stride(1) == 1:
-            return self._take_blocks(native.FASTPATH, x, out, share, lost, groups, sizes)
-        start = 0
-        for first, last, size in groups:
-            if size == 0:
-                continue
-            stop = start + (last - first) * size
-            blocks = x[:, start:stop].view(w, last - first, size)
-            target = out[:, start:stop].view_as(blocks)
-            # Every worker gets every server's average (one batched matrix product over the servers) ...
-            avg = torch.bmm(share[first:last], blocks.transpose(0, 1))     # [servers, 1, size]
-            # ... except where it was lost: there it keeps its own block (a copy of those blocks only,
-            # taken before the averages are written, since ``target`` may be ``blocks`` itself).
+        lib = native.FASTPATH
+        if lib is not None and x.device.type == "cpu" and x.stride(1) == 1 and out.stride(1) == 1:
+            # One pass in C (where the install built it), row by row and block by block: copies only, so the
+            # bits of the torch path below, without its nonzero, gather and scatter per group of blocks.
+            lost = lost.contiguous()                         # bool: a byte each, [worker, server]
+            lib.shaky_take_blocks(out.data_ptr(), x.data_ptr(), avg.data_ptr(), lost.data_ptr(),
+                                  _block_bytes(dim, w, x.element_size()).ctypes.data, w,
+                                  out.stride(0) * out.element_size(), x.stride(0) * x.element_size())
+            return out
+        kept = []   # the blocks whose average was lost, copied before ``out`` is written
+        for first, last, start, size in groups:
+            blocks = x[:, start:start + (last - first) * size].view(w, last - first, size)
             workers, servers = lost[:, first:last].nonzero(as_tuple=True)
-            kept = blocks[workers, servers] if len(workers) else None
-            target.copy_(avg.transpose(0, 1).expand_as(blocks))
-            if kept is not None:
-                target[workers, servers] = kept
-            start = stop
-        return out
-
-    @staticmethod
-    def _take_blocks(lib: Any, x: torch.Tensor, out: torch.Tensor, share: torch.Tensor, lost: torch.Tensor,
-                     groups: list[tuple[int, int, int]], sizes: list[int]) -> torch.Tensor:
-        """:meth:`block_average`'s rule with its copies in C (``shaky_take_blocks``, where the install built it):
-        the averages from the same batched matrix products, then each worker's row written in one pass, block
-        by block, from the averages or, where one was lost, from its own values. The same bits as the torch path
-        (the rest is copies) without its nonzero, gather and scatter per group of blocks."""
-        w, dim = x.shape
-        avg = x.new_empty(dim)                               # every server's average of its block, side by side
-        start = 0
-        for first, last, size in groups:
-            if size == 0:
-                continue
-            stop = start + (last - first) * size
-            blocks = x[:, start:stop].view(w, last - first, size)
-            # (not bmm's out=: written at an offset, its sums came out 1 ulp apart here and there)
-            avg[start:stop] = torch.bmm(share[first:last], blocks.transpose(0, 1)).view(-1)
-            start = stop
-        lost = lost.contiguous()                             # bool: a byte each, [worker, server]
-        block_bytes = _block_bytes(tuple(sizes), x.element_size())
-        lib.shaky_take_blocks(out.data_ptr(), x.data_ptr(), avg.data_ptr(), lost.data_ptr(), block_bytes.ctypes.data,
-                              w, out.stride(0) * out.element_size(), x.stride(0) * x.element_size())
+            kept.append((workers, servers, blocks[workers, servers]) if len(workers) else None)
+        out.copy_(avg.expand(w, dim))
+        for (first, last, start, size), lost_here in zip(groups, kept):
+            if lost_here is not None:
+                workers, servers, values = lost_here
+                out[:, start:start + (last - first) * size].view(w, last - first, size)[workers, servers] = values
         return out
 
     def _segment_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None,
                          overwrite: bool, segment_bytes: int) -> torch.Tensor:
         """:meth:`block_average` per segment: masks [W, W, S] (servers already applied), block j cut into segments."""
         w, dim = x.shape
-        sizes = block_sizes(dim, w)
         seg = segment_length(segment_bytes, x.element_size())
         num_segments = max(1, *segment_counts(dim, w, seg))
         if up.shape != (w, w, num_segments) or down.shape != up.shape:
             raise ValueError(f"segment masks must be [{w}, {w}, {num_segments}] for {w} workers, {dim} values of "
                              f"{x.element_size()} bytes and segment_bytes {segment_bytes} ({seg} values a segment); "
                              f"got up {list(up.shape)}, down {list(down.shape)}")
-        big = sizes.count(sizes[0])
-        groups = [(0, big, sizes[0]), (big, w, sizes[-1])] if big < w else [(0, w, sizes[0])]
         up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None, None]
         share = up_f / up_f.sum(0)              # [senders, servers, segments]: each arrival's weight
         lost = ~down.transpose(0, 1)            # [workers, servers, segments]: the average did not come back
         out = x if overwrite and x.is_contiguous() else torch.empty_like(x)
-        start = 0
-        for first, last, size in groups:
-            if size == 0:
-                continue
+        for first, last, start, size in _block_groups(dim, w):
             nb = last - first
             stop = start + nb * size
             blocks = x[:, start:stop].view(w, nb, size)
@@ -176,5 +161,4 @@ class SimComm:
                 # ... taken by every worker except where it was lost: there it keeps its own segment. One pass,
                 # element by element, so ``dst`` may be ``src`` itself.
                 torch.where(lost[:, first:last, k0:k0 + count, None], src, avg.view(nb, count, length), out=dst)
-            start = stop
         return out

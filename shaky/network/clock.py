@@ -193,8 +193,9 @@ class Clock:
         total = 0.0
         for phase in phases:
             total += self._sent_s(phase.link_bytes)[1]
-            if phase.reliable and phase.lost.any():
-                total += self._transfer_s(phase.link_bytes, phase.lost, latency=False)
+            lost = phase.lost if phase.reliable else None
+            if lost is not None and lost.any():
+                total += self._transfer_s(phase.link_bytes, lost, latency=False)
         return total
 
     def advance(self, phases: tuple[PhaseTraffic, ...], delay: int = 1) -> float:
