@@ -21,7 +21,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.func import vmap
 
 from shaky.comm.base import Comm
 from shaky.config import RunConfig
@@ -29,7 +28,7 @@ from shaky.data import Dataset, assign_chunks, load_dataset, partition
 from shaky.models import FlatParams, build_model
 from shaky.network.model import NetworkModel, TraceNetwork, load_trace
 from shaky.strategies import Strategy, build_strategy
-from shaky.vectorized import make_functions
+from shaky.vectorized import make_functions, worker_logits
 
 
 @dataclass
@@ -217,7 +216,7 @@ def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, weights: torch.Tens
     x, y = setup.data.x_test, setup.data.y_test
     avg_correct = avg_loss = 0.0
     worker_correct = torch.zeros(params.shape[0], dtype=torch.float64)
-    per_worker = vmap(setup.forward_fn, in_dims=(0, None))
+    per_worker = worker_logits(setup.grad_fn, setup.forward_fn)
     with torch.no_grad():
         for s in range(0, len(y), chunk):
             xs, ys = x[s:s + chunk], y[s:s + chunk]

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from shaky.comm import native
 from shaky.config import NetworkConfig
-from shaky.network.model import MaskLog, NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
+from shaky.network.model import _NETWORK_STREAM, MaskLog, NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
 
 
 def test_sample_is_a_pure_function_of_seed_and_round() -> None:
@@ -19,6 +20,28 @@ def test_sample_is_a_pure_function_of_seed_and_round() -> None:
         assert torch.equal(x.up, y.up) and torch.equal(x.down, y.down)
     other = NetworkModel(NetworkConfig(drop_rate=0.3), 6, seed=8)
     assert not all(torch.equal(a.sample(r).up, other.sample(r).up) for r in range(20))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_seeded_uniform_draws_numpy_s_numbers(compiled: bool) -> None:
+    if compiled and not native.UNIFORM_MATCHES_NUMPY:
+        pytest.skip("the compiled library was not built (or its draws differ from numpy's, and it stands aside)")
+    for ints in [(0, _NETWORK_STREAM), (7,), (2**32 - 1, 2**32, 2**40 + 5), (2**70 + 1, 3)]:
+        draw = native.SeededUniform(*ints)
+        draw.compiled = compiled
+        for keys in [(0,), (1,), (999,), (2**32 - 1,), (2**32 + 3, 1), (2**63,), ()]:
+            for shape in [(2, 5, 5), (2, 3, 3, 4), (1,), (0,)]:
+                ref = np.random.default_rng([*ints, *keys]).random(shape)
+                assert np.array_equal(draw(shape, *keys), ref), (ints, keys, shape)
+
+
+def test_the_masks_are_numpy_s_draws_from_seed_stream_and_round() -> None:
+    net = NetworkModel(NetworkConfig(drop_rate=0.3), 5, seed=11)
+    for r in (0, 1, 57):
+        u = np.random.default_rng([11, _NETWORK_STREAM, r]).random((2, 5, 5))
+        expected = (u >= 0.3) | np.eye(5, dtype=bool)
+        s = net.sample(r)
+        assert np.array_equal(s.up.numpy(), expected[0]) and np.array_equal(s.down.numpy(), expected[1])
 
 
 def test_self_messages_always_arrive_and_drop_rate_is_respected() -> None:

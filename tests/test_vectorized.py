@@ -10,7 +10,8 @@ import torch
 from torch.func import vmap
 
 from shaky.models import MODELS, FlatParams, build_model
-from shaky.vectorized import _fold, fast_path, generic_functions, make_functions, tune_allocator
+from shaky.vectorized import (BatchedGradFn, _fold, fast_path, generic_functions, make_functions, tune_allocator,
+                              worker_logits)
 
 NUM_CLASSES = 10
 VOCAB = 50
@@ -111,6 +112,23 @@ def test_forward_fn_matches_model(name: str, shape: tuple[int, ...]) -> None:
     for w in range(3):
         flat.load(model, params[w])
         torch.testing.assert_close(per_worker[w], model(xs), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "shape"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_worker_logits_equal_each_worker_s_model_on_the_shared_samples(name: str, shape: tuple[int, ...],
+                                                                      dtype: torch.dtype) -> None:
+    model, flat, params, x, _, _ = _setup(name, shape, workers=3, batch=5, dtype=dtype)
+    grad_fn, forward_fn = make_functions(model, flat)
+    logits = worker_logits(grad_fn, forward_fn)
+    assert isinstance(grad_fn, BatchedGradFn) == (fast_path(model) is not None)
+    xs = x[1]
+    out = logits(params, xs)
+    assert out.shape == (3, 5, NUM_CLASSES) and out.dtype == dtype
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
+    for w in range(3):
+        flat.load(model, params[w])
+        torch.testing.assert_close(out[w], model(xs), **tol)
 
 
 def test_inputs_are_not_modified() -> None:

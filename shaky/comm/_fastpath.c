@@ -143,3 +143,85 @@ void shaky_take_blocks(uint8_t *out, const uint8_t *x, const uint8_t *avg, const
         }
     }
 }
+
+/* numpy.random.default_rng(entropy).random(n) (float64), for the simulator's delivery masks (shaky.network.model),
+ * which seed a fresh generator every round: numpy spends ~15 us a round building it in Python, this ~1 us.
+ * The same numbers (tests/test_network.py draws both; shaky/comm/native.py checks once at load and leaves this
+ * unused if they ever differ): SeedSequence (O'Neill's seed_seq as numpy implements it: a pool of 4 words,
+ * no spawn key) turns the entropy into the 256 bits that seed PCG64 (the 128-bit LCG with the XSL-RR output),
+ * and each double is the top 53 bits of one output. The entropy is ``prefix`` (uint32 words) followed by each
+ * of ``keys`` split into 32-bit words, least significant first (0 is one word), as numpy reads a list of ints.
+ * Returns 0, or -1 (nothing written) for entropy of more than 64 words. */
+#define SS_POOL 4
+#define SS_INIT_A 0x43b0d7e5u
+#define SS_MULT_A 0x931e8875u
+#define SS_INIT_B 0x8b51f9ddu
+#define SS_MULT_B 0x58f38dedu
+#define SS_MIX_L 0xca01f9ddu
+#define SS_MIX_R 0x4973f715u
+
+static uint32_t ss_hashmix(uint32_t value, uint32_t *hash_const) {
+    value ^= *hash_const;
+    *hash_const *= SS_MULT_A;
+    value *= *hash_const;
+    return value ^ (value >> 16);
+}
+
+static uint32_t ss_mix(uint32_t x, uint32_t y) {
+    uint32_t r = SS_MIX_L * x - SS_MIX_R * y;
+    return r ^ (r >> 16);
+}
+
+typedef unsigned __int128 u128;
+#define PCG_MULT (((u128)0x2360ED051FC65DA4ull << 64) | 0x4385DF649FCCF645ull)
+
+int shaky_uniform(const uint32_t *prefix, int64_t n_prefix, const uint64_t *keys, int64_t n_keys,
+                  double *out, int64_t n) {
+    uint32_t entropy[64];
+    int64_t len = 0;
+    for (int64_t i = 0; i < n_prefix; i++) {
+        if (len == 64) return -1;
+        entropy[len++] = prefix[i];
+    }
+    for (int64_t k = 0; k < n_keys; k++) {
+        uint64_t v = keys[k];
+        do {
+            if (len == 64) return -1;
+            entropy[len++] = (uint32_t)v;
+            v >>= 32;
+        } while (v);
+    }
+    uint32_t pool[SS_POOL], hash_const = SS_INIT_A;
+    for (int i = 0; i < SS_POOL; i++) pool[i] = ss_hashmix(i < len ? entropy[i] : 0u, &hash_const);
+    for (int src = 0; src < SS_POOL; src++)
+        for (int dst = 0; dst < SS_POOL; dst++)
+            if (src != dst) pool[dst] = ss_mix(pool[dst], ss_hashmix(pool[src], &hash_const));
+    for (int64_t src = SS_POOL; src < len; src++)
+        for (int dst = 0; dst < SS_POOL; dst++) pool[dst] = ss_mix(pool[dst], ss_hashmix(entropy[src], &hash_const));
+    /* generate_state(4, uint64): 8 words from the pool in turn, paired little-endian into 4 uint64. */
+    uint32_t words[8];
+    uint32_t hc = SS_INIT_B;
+    for (int i = 0; i < 8; i++) {
+        uint32_t v = pool[i % SS_POOL] ^ hc;
+        hc *= SS_MULT_B;
+        v *= hc;
+        words[i] = v ^ (v >> 16);
+    }
+    uint64_t s64[4];
+    for (int i = 0; i < 4; i++) s64[i] = (uint64_t)words[2 * i] | ((uint64_t)words[2 * i + 1] << 32);
+    /* PCG64's seeding: state = (s64[0] << 64) + s64[1], stream = (s64[2] << 64) + s64[3]. */
+    u128 initstate = ((u128)s64[0] << 64) | s64[1];
+    u128 inc = ((((u128)s64[2] << 64) | s64[3]) << 1) | 1u;
+    u128 state = 0;
+    state = state * PCG_MULT + inc;
+    state += initstate;
+    state = state * PCG_MULT + inc;
+    for (int64_t i = 0; i < n; i++) {
+        state = state * PCG_MULT + inc;
+        uint64_t xored = (uint64_t)(state >> 64) ^ (uint64_t)state;
+        unsigned rot = (unsigned)(state >> 122);
+        uint64_t r = (xored >> rot) | (xored << ((64 - rot) & 63));
+        out[i] = (double)(r >> 11) * (1.0 / 9007199254740992.0);
+    }
+    return 0;
+}

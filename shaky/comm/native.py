@@ -1,8 +1,10 @@
 """shaky's one compiled library, optional: ``shaky/comm/_fastpath.c``, loaded with ctypes.
 
 The install builds it where a C compiler and OpenSSL's headers are found (``setup.py``). It holds the UDP data
-plane's per-datagram work (``shaky.comm.udp``) and the copies that finish the simulator's block average
-(``shaky.comm.sim``). Where it was not built, both do the same work in Python and torch, with the same results.
+plane's per-datagram work (``shaky.comm.udp``), the copies that finish the simulator's block average
+(``shaky.comm.sim``) and numpy's seeded uniform draws for the delivery masks (``SeededUniform``, used by
+``shaky.network.model``). Where it was not built, each does the same work in Python, torch or numpy, with the same
+results.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 from pathlib import Path
+
+import numpy as np
 
 
 def _load() -> ctypes.CDLL | None:
@@ -35,6 +39,7 @@ def _load() -> ctypes.CDLL | None:
                                     ctypes.c_uint64, ctypes.c_uint8, ctypes.c_uint32, p, ctypes.c_uint32, p, p, p, p]
         lib.shaky_check.restype = ctypes.c_int
         lib.shaky_take_blocks.argtypes, lib.shaky_take_blocks.restype = [p, p, p, p, p, i64, i64, i64], None
+        lib.shaky_uniform.argtypes, lib.shaky_uniform.restype = [p, i64, p, i64, p, i64], ctypes.c_int
     except AttributeError:     # built from an older _fastpath.c: reinstall to rebuild it
         return None
     return lib
@@ -42,3 +47,53 @@ def _load() -> ctypes.CDLL | None:
 
 FASTPATH = _load()
 """The compiled library where the install built it, else None (``UdpExchange.info()["compiled"]``)."""
+
+
+def _words(n: int) -> list[int]:
+    """``n`` >= 0 as numpy's SeedSequence reads an int of its entropy: 32-bit words, least significant first."""
+    if n < 0:
+        raise ValueError(f"seed entropy must be >= 0; got {n}")
+    words = [n & 0xFFFFFFFF]
+    while n > 0xFFFFFFFF:
+        n >>= 32
+        words.append(n & 0xFFFFFFFF)
+    return words
+
+
+class SeededUniform:
+    """``draw(shape, *keys)``: ``np.random.default_rng([*ints, *keys]).random(shape)``, the same float64 values,
+    computed in C where the library was built (``shaky_uniform``: about 1 us where numpy takes 15 us to build the
+    generator), else by numpy. For streams that seed a fresh generator per round (the delivery masks)."""
+
+    def __init__(self, *ints: int) -> None:
+        self.ints = ints
+        self._prefix = np.asarray([w for i in ints for w in _words(i)], dtype=np.uint32)
+        self._keys = np.zeros(2, dtype=np.uint64)
+        self.compiled = UNIFORM_MATCHES_NUMPY and len(self._prefix) <= 32
+
+    def __call__(self, shape: tuple[int, ...], *keys: int) -> np.ndarray:
+        if self.compiled and len(keys) <= len(self._keys):   # (a key outside uint64 raises here, as in numpy)
+            out = np.empty(shape)
+            self._keys[:len(keys)] = keys
+            if FASTPATH.shaky_uniform(self._prefix.ctypes.data, len(self._prefix),  # type: ignore[union-attr]
+                                      self._keys.ctypes.data, len(keys), out.ctypes.data, out.size) == 0:
+                return out
+        return np.random.default_rng([*self.ints, *keys]).random(shape)
+
+
+def _uniform_matches_numpy() -> bool:
+    """Whether ``shaky_uniform`` draws numpy's numbers (checked once: if numpy ever changed its streams, the C
+    path would stand aside rather than give other masks than numpy's)."""
+    if FASTPATH is None:
+        return False
+    for ints in ((0, 7, 0), (12345, 0x6E6574, 2**32 + 5, 1), (2**40 + 3, 2**63)):
+        prefix = np.asarray([w for i in ints[:-1] for w in _words(i)], dtype=np.uint32)
+        keys = np.asarray(ints[-1:], dtype=np.uint64)
+        out = np.empty(9)
+        FASTPATH.shaky_uniform(prefix.ctypes.data, len(prefix), keys.ctypes.data, 1, out.ctypes.data, out.size)
+        if not np.array_equal(out, np.random.default_rng(list(ints)).random(9)):
+            return False
+    return True
+
+
+UNIFORM_MATCHES_NUMPY = _uniform_matches_numpy()

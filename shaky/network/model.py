@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from shaky.comm.base import segment_counts, segment_length
+from shaky.comm.native import SeededUniform
 from shaky.config import Matrix, NetworkConfig
 from shaky.network.presets import region_of_workers, region_rtt_ms
 
@@ -97,6 +98,8 @@ class NetworkModel:
         bytes; needed only with ``cfg.segment_bytes`` > 0, to cut each block into segments."""
         self.num_workers = num_workers
         self.seed = seed
+        # _uniform(shape, *keys): default_rng([seed, _NETWORK_STREAM, *keys]).random(shape), in C where built.
+        self._uniform = SeededUniform(seed, _NETWORK_STREAM)
         self.segment_bytes = cfg.segment_bytes
         self.dim, self.itemsize = dim, itemsize
         # Padding of the segment masks: [block j, segment k] is True where k is past block j's last segment.
@@ -114,16 +117,13 @@ class NetworkModel:
         self._chain_round = -1
         self._chain_bad = np.zeros((2, num_workers, num_workers), dtype=bool)
 
-    def _rng(self, round_: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, _NETWORK_STREAM, round_])
-
     def _advance_chain(self, round_: int) -> np.ndarray:
         """Bad-state masks [2, W, W] for the two slots of ``round_`` (slot 0 then slot 1)."""
         if round_ <= self._chain_round:
             self._chain_round, self._chain_bad[:] = -1, False
         while self._chain_round < round_:
             r = self._chain_round + 1
-            u = np.random.default_rng([self.seed, _NETWORK_STREAM, r, 1]).random((2,) + self.drop.shape)
+            u = self._uniform((2,) + self.drop.shape, r, 1)
             bad = self._chain_bad[1].copy()  # the state left by the previous round's last slot
             for slot in range(2):
                 bad = np.where(bad, u[slot] >= self.burst_exit, u[slot] < self.burst_enter)
@@ -135,7 +135,7 @@ class NetworkModel:
         """The delivery masks of ``round_``; a pure function of (seed, round_)."""
         if self.segment_bytes:
             return self._sample_segments(round_)
-        u = self._rng(round_).random((2,) + self.drop.shape)
+        u = self._uniform((2,) + self.drop.shape, round_)
         drop = self.drop   # [W, W], for both slots of u
         if self.burst_enter > 0.0:
             drop = np.where(self._advance_chain(round_), self.burst_drop, drop)
@@ -149,7 +149,7 @@ class NetworkModel:
             raise ValueError(f"network.segment_bytes = {self.segment_bytes} cuts each block into segments, so the "
                              "network model needs the message's size: NetworkModel(..., dim=D, itemsize=...)")
         num_segments = self._padding.shape[1]
-        u = self._rng(round_).random((2,) + self.drop.shape + (num_segments,))
+        u = self._uniform((2,) + self.drop.shape + (num_segments,), round_)
         drop = self.drop[..., None]
         if self.burst_enter > 0.0:  # a link's state in a slot holds for every segment it sends then
             drop = np.where(self._advance_chain(round_)[..., None], self.burst_drop, drop)
