@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shaky.comm import native
+
 # Keeps the mini-batch stream apart from the other streams seeded by the run seed.
 _BATCH_STREAM = 0x626174
 _BLOCK_STEPS, _BLOCK_VALUES = 64, 1 << 20
@@ -123,8 +125,16 @@ class BatchSampler:
             k = 0
         return torch.from_numpy(self._block[k])
 
-    def _compute(self, first: int, count: int) -> np.ndarray:
-        """int64 [count, w, width]: the indices of steps ``first`` to ``first + count - 1``."""
+    def _compute(self, first: int, count: int, *, compiled: bool = True) -> np.ndarray:
+        """int64 [count, w, width]: the indices of steps ``first`` to ``first + count - 1``; in C where the
+        library was built (``shaky_batch_indices``, the same numbers; ``compiled=False``: numpy's)."""
+        lib = native.FASTPATH
+        if compiled and lib is not None:
+            out = np.empty((count, len(self.rows), self.width), dtype=np.int64)
+            lib.shaky_batch_indices(out.ctypes.data, first, count, len(self.rows), self.width,
+                                    self.batch_sizes.ctypes.data, self.lengths.ctypes.data,
+                                    self._worker_keys.ctypes.data, self._padded.ctypes.data, self._padded.shape[1])
+            return out
         steps = np.arange(first, first + count, dtype=np.int64)[:, None, None]
         slots = np.arange(self.width)[None, None, :]
         real = slots < self.batch_sizes[None, :, None]

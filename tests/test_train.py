@@ -10,6 +10,7 @@ import torch
 
 from shaky.comm.sim import SimComm
 from shaky.rundir import load_checkpoint
+from shaky.comm import native
 from shaky.sampler import _mix, _permuted
 from shaky.train import (SHARDS_FILE, BatchSampler, InterruptedRun, can_fuse, prepare, read_metrics,
                          train, train_step)
@@ -146,6 +147,23 @@ def test_batch_sampler_blocks_match_single_steps_in_any_order() -> None:
     order = [*range(130), 70, 3, 200, 64, 63, 0]
     for step in order:
         assert np.array_equal(sampler.indices(step).numpy(), sampler._compute(step, 1)[0]), step
+
+
+def test_batch_sampler_s_compiled_indices_are_its_numpy_indices() -> None:
+    """The C path (where the library was built) computes the numpy path's indices: shards of 1 sample to more
+    than a power of two, batches larger and smaller than their shards, rows of a rank, steps far into a run."""
+    if native.FASTPATH is None:
+        pytest.skip("the compiled library was not built")
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        w = int(rng.integers(1, 7))
+        lengths = [int(rng.choice([1, 2, 3, 7, 8, 9, 31, 64, 65, 1000])) for _ in range(w)]
+        starts = np.cumsum([0, *lengths])
+        shards = [np.arange(a, b) * 3 + 1 for a, b in zip(starts[:-1], starts[1:])]
+        rows = sorted(rng.choice(w, size=int(rng.integers(1, w + 1)), replace=False).tolist())
+        sampler = BatchSampler(shards, rows, [int(rng.integers(1, 40)) for _ in range(w)], int(rng.integers(2**32)))
+        first, count = int(rng.choice([0, 5, 1000, 10**9])), int(rng.integers(1, 70))
+        assert np.array_equal(sampler._compute(first, count), sampler._compute(first, count, compiled=False))
 
 
 def test_keyed_permutation_is_a_bijection_and_uniform() -> None:

@@ -225,3 +225,60 @@ int shaky_uniform(const uint32_t *prefix, int64_t n_prefix, const uint64_t *keys
     }
     return 0;
 }
+
+/* shaky.sampler.BatchSampler's indices for ``count`` steps from ``first``, the numbers of its numpy path
+ * (tests/test_train.py compares both): out [count, w, width] (int64); worker k's slot b of step s holds, for b
+ * below batch[k], its shard's sample (padded[k * padded_stride + ...]) at the position where the keyed
+ * permutation of epoch e sends offset t % lengths[k] (t = s * batch[k] + b, e = t / lengths[k]); 0 beyond. The
+ * permutation: four rounds of (xor key, multiply by an odd key, xor-shift by half the width) on the smallest
+ * power-of-two range holding n, walked again while the image is n or more, then a keyed rotation. */
+static uint64_t sm_mix(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+void shaky_batch_indices(int64_t *out, int64_t first, int64_t count, int64_t w, int64_t width,
+                         const int64_t *batch, const int64_t *lengths, const uint64_t *worker_keys,
+                         const int64_t *padded, int64_t padded_stride) {
+    for (int64_t k = 0; k < w; k++) {
+        uint64_t n = (uint64_t)lengths[k];
+        unsigned bits = 1;
+        while (bits < 64 && ((uint64_t)1 << bits) < n) bits++;
+        uint64_t mask = bits == 64 ? ~(uint64_t)0 : ((uint64_t)1 << bits) - 1;
+        unsigned half = (bits + 1) / 2;
+        int64_t epoch = -1;
+        uint64_t rk[4], mult[4], rotation = 0;
+        for (int64_t s = 0; s < count; s++) {
+            int64_t *row = out + (s * w + k) * width;
+            for (int64_t b = 0; b < width; b++) {
+                if (b >= batch[k]) {
+                    row[b] = 0;
+                    continue;
+                }
+                int64_t t = (first + s) * batch[k] + b;
+                int64_t e = t / lengths[k];
+                if (e != epoch) {
+                    epoch = e;
+                    uint64_t key = sm_mix(worker_keys[k] + (uint64_t)e);
+                    for (int r = 0; r < 4; r++) {
+                        rk[r] = sm_mix(key + (uint64_t)(r + 1));
+                        mult[r] = rk[r] | 1u;
+                    }
+                    rotation = sm_mix(key) % n;
+                }
+                uint64_t y = (uint64_t)(t % lengths[k]);
+                do {
+                    for (int r = 0; r < 4; r++) {
+                        y = (y ^ rk[r]) & mask;
+                        y = (y * mult[r]) & mask;
+                        y ^= y >> half;
+                    }
+                } while (y >= n);
+                row[b] = padded[k * padded_stride + (int64_t)((y + rotation) % n)];
+            }
+        }
+    }
+}

@@ -2,8 +2,8 @@
 
 The install builds it where a C compiler and OpenSSL's headers are found (``setup.py``). It holds the UDP data
 plane's per-datagram work (``shaky.comm.udp``), the copies that finish the simulator's block average
-(``shaky.comm.sim``) and numpy's seeded uniform draws for the delivery masks (``SeededUniform``, used by
-``shaky.network.model``). Where it was not built, each does the same work in Python, torch or numpy, with the same
+(``shaky.comm.sim``), numpy's seeded uniform draws for the delivery masks (``SeededUniform``, used by
+``shaky.network.model``) and the mini-batch sampler's keyed permutations (``shaky.sampler``). Where it was not built, each does the same work in Python, torch or numpy, with the same
 results.
 """
 
@@ -40,6 +40,8 @@ def _load() -> ctypes.CDLL | None:
         lib.shaky_check.restype = ctypes.c_int
         lib.shaky_take_blocks.argtypes, lib.shaky_take_blocks.restype = [p, p, p, p, p, i64, i64, i64], None
         lib.shaky_uniform.argtypes, lib.shaky_uniform.restype = [p, i64, p, i64, p, i64], ctypes.c_int
+        lib.shaky_batch_indices.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i64]
+        lib.shaky_batch_indices.restype = None
     except AttributeError:     # built from an older _fastpath.c: reinstall to rebuild it
         return None
     return lib
