@@ -28,11 +28,11 @@ def _block_groups(dim: int, num_workers: int) -> tuple[tuple[int, int, int, int]
 
 
 @lru_cache(maxsize=64)
-def _block_bytes(dim: int, num_workers: int, itemsize: int) -> np.ndarray:
-    """int64 [W]: each block's size in bytes (kept alive here: the C call reads it by address)."""
+def _block_bytes(dim: int, num_workers: int, itemsize: int) -> tuple[np.ndarray, int]:
+    """int64 [W]: each block's size in bytes, and its address (kept alive here: the C call reads it there)."""
     out = np.asarray(block_sizes(dim, num_workers), dtype=np.int64) * itemsize
     out.flags.writeable = False
-    return out
+    return out, out.ctypes.data
 
 
 class SimComm:
@@ -111,7 +111,7 @@ class SimComm:
             # bits of the torch path below, without its nonzero, gather and scatter per group of blocks.
             lost = lost.contiguous()                         # bool: a byte each, [worker, server]
             lib.shaky_take_blocks(out.data_ptr(), x.data_ptr(), avg.data_ptr(), lost.data_ptr(),
-                                  _block_bytes(dim, w, x.element_size()).ctypes.data, w,
+                                  _block_bytes(dim, w, x.element_size())[1], w,
                                   out.stride(0) * out.element_size(), x.stride(0) * x.element_size())
             return out
         kept = []   # the blocks whose average was lost, copied before ``out`` is written
