@@ -26,7 +26,8 @@ def test_sample_is_a_pure_function_of_seed_and_round() -> None:
 def test_seeded_uniform_draws_numpy_s_numbers(compiled: bool) -> None:
     if compiled and not native.UNIFORM_MATCHES_NUMPY:
         pytest.skip("the compiled library was not built (or its draws differ from numpy's, and it stands aside)")
-    for ints in [(0, _NETWORK_STREAM), (7,), (2**32 - 1, 2**32, 2**40 + 5), (2**70 + 1, 3)]:
+    # (70 ints: more entropy than the C path takes, which then leaves it to numpy)
+    for ints in [(0, _NETWORK_STREAM), (7,), (2**32 - 1, 2**32, 2**40 + 5), (2**70 + 1, 3), tuple(range(70))]:
         draw = native.SeededUniform(*ints)
         draw.compiled = compiled
         for keys in [(0,), (1,), (999,), (2**32 - 1,), (2**32 + 3, 1), (2**63,), ()]:

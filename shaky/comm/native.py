@@ -70,16 +70,16 @@ class SeededUniform:
     def __init__(self, *ints: int) -> None:
         self.ints = ints
         self._prefix = np.asarray([w for i in ints for w in _words(i)], dtype=np.uint32)
-        self._keys = np.zeros(2, dtype=np.uint64)
-        self.compiled = UNIFORM_MATCHES_NUMPY and len(self._prefix) <= 32
+        self._prefix_address = self._prefix.ctypes.data
+        self.compiled = UNIFORM_MATCHES_NUMPY
 
     def __call__(self, shape: tuple[int, ...], *keys: int) -> np.ndarray:
-        if self.compiled and len(keys) <= len(self._keys):   # (a key outside uint64 raises here, as in numpy)
+        if self.compiled:
             out = np.empty(shape)
-            self._keys[:len(keys)] = keys
-            if FASTPATH.shaky_uniform(self._prefix.ctypes.data, len(self._prefix),  # type: ignore[union-attr]
-                                      self._keys.ctypes.data, len(keys), out.ctypes.data, out.size) == 0:
-                return out
+            words = np.array(keys, dtype=np.uint64)       # (a key outside uint64 raises here, as in numpy)
+            if FASTPATH.shaky_uniform(self._prefix_address, len(self._prefix),  # type: ignore[union-attr]
+                                      words.ctypes.data, len(words), out.ctypes.data, out.size) == 0:
+                return out   # (-1: more than 64 words of entropy, numpy's below)
         return np.random.default_rng([*self.ints, *keys]).random(shape)
 
 
