@@ -139,11 +139,11 @@ def test_step_leaves_params_and_state_alone_and_may_only_reuse_grads(name: str, 
 
 @pytest.mark.skipif(native.FASTPATH is None, reason="the compiled library (shaky/comm/_fastpath.c) was not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_block_average_s_compiled_copies_give_the_torch_path_s_bits(monkeypatch: pytest.MonkeyPatch,
-                                                                    dtype: torch.dtype) -> None:
-    """Where the install built shaky/comm/_fastpath.c, the block average's copies run in C; a run's numbers must
-    not depend on whether it was built: both paths give the same bits, in place or not, with uneven blocks,
-    weights, moved servers, a strided input and fewer values than workers."""
+def test_block_average_s_compiled_parts_give_the_torch_path_s_bits(monkeypatch: pytest.MonkeyPatch,
+                                                                   dtype: torch.dtype) -> None:
+    """Where the install built shaky/comm/_fastpath.c, the block average's arrival shares (without weights) and
+    its copies run in C; a run's numbers must not depend on whether it was built: both paths give the same bits,
+    in place or not, with uneven blocks, weights, moved servers, a strided input and fewer values than workers."""
     gen = torch.Generator().manual_seed(4)
     for w, dim, drop in ((16, 26122, 0.1), (5, 37, 0.5), (7, 3, 0.3), (4, 40, 0.9), (3, 0, 0.5)):
         network = NetworkModel(NetworkConfig(drop_rate=drop), w, seed=w)

@@ -122,20 +122,40 @@ int shaky_check(const shaky_mac *m, const uint8_t *rows, size_t stride, const ui
     return count;
 }
 
-/* The end of the simulator's block average (shaky/comm/sim.py), once every server's average is known: row k of
- * out takes, block by block, the average (avg: every block's average side by side, one row) where worker k
- * received it (lost[k * w + j] == 0), else its own values x[k, block j]. block_bytes[j]: block j's size in
- * bytes; the strides are the byte distances between rows. Copies only, so the values are bit for bit those of
- * the torch path it stands in for; out may be x itself (a kept block is then left where it is). */
-void shaky_take_blocks(uint8_t *out, const uint8_t *x, const uint8_t *avg, const uint8_t *lost,
-                       const int64_t *block_bytes, int64_t w, int64_t out_stride, int64_t x_stride) {
+/* The simulator's block average (shaky/comm/sim.py) around its matrix products, which stay torch's.
+ *
+ * shaky_block_shares: out[j * w + i] (servers j, senders i; float32 or float64 by itemsize) = up[i * w + j] /
+ * (the number of senders whose block reached server j): each arrival's weight in its server's average, what
+ * torch computes as up_f / up_f.sum(0), transposed. The sums are counts (exact) and each division is correctly
+ * rounded, so the bits are torch's. up: bool [sender, server], a byte each.
+ *
+ * shaky_take_averages, once every server's average is known: row k of out takes, block by block, the average
+ * (avg: every block's average side by side, one row) where worker k received it (delivered[j * w + k] != 0:
+ * the down mask, [server, worker]), else its own values x[k, block j]. block_bytes[j]: block j's size in bytes;
+ * the strides are the byte distances between rows. Copies only, so the values are bit for bit those of the
+ * torch path it stands in for; out may be x itself (a kept block is then left where it is). */
+void shaky_block_shares(const uint8_t *up, int64_t w, void *out, int64_t itemsize) {
+    for (int64_t j = 0; j < w; j++) {
+        int64_t count = 0;
+        for (int64_t i = 0; i < w; i++) count += up[i * w + j] != 0;
+        for (int64_t i = 0; i < w; i++) {
+            if (itemsize == 4)
+                ((float *)out)[j * w + i] = (float)(up[i * w + j] != 0) / (float)count;
+            else
+                ((double *)out)[j * w + i] = (double)(up[i * w + j] != 0) / (double)count;
+        }
+    }
+}
+
+void shaky_take_averages(uint8_t *out, const uint8_t *x, const uint8_t *avg, const uint8_t *delivered,
+                         const int64_t *block_bytes, int64_t w, int64_t out_stride, int64_t x_stride) {
     for (int64_t k = 0; k < w; k++) {
         uint8_t *dst = out + k * out_stride;
         const uint8_t *own = x + k * x_stride;
         const uint8_t *from = avg;
         for (int64_t j = 0; j < w; j++) {
             int64_t n = block_bytes[j];
-            const uint8_t *src = lost[k * w + j] ? own : from;
+            const uint8_t *src = delivered[j * w + k] ? from : own;
             if (n > 0 && src != dst) memcpy(dst, src, (size_t)n);
             dst += n;
             own += n;

@@ -38,7 +38,8 @@ def _load() -> ctypes.CDLL | None:
         lib.shaky_check.argtypes = [p, p, size, p, p, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64,
                                     ctypes.c_uint64, ctypes.c_uint8, ctypes.c_uint32, p, ctypes.c_uint32, p, p, p, p]
         lib.shaky_check.restype = ctypes.c_int
-        lib.shaky_take_blocks.argtypes, lib.shaky_take_blocks.restype = [p, p, p, p, p, i64, i64, i64], None
+        lib.shaky_block_shares.argtypes, lib.shaky_block_shares.restype = [p, i64, p, i64], None
+        lib.shaky_take_averages.argtypes, lib.shaky_take_averages.restype = [p, p, p, p, p, i64, i64, i64], None
         lib.shaky_uniform.argtypes, lib.shaky_uniform.restype = [p, i64, p, i64, p, i64], ctypes.c_int
         lib.shaky_batch_indices.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i64]
         lib.shaky_batch_indices.restype = None

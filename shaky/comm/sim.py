@@ -92,9 +92,17 @@ class SimComm:
         if segment_bytes:
             return self._segment_average(x, up, down, weights, overwrite, segment_bytes)
         w, dim = x.shape
-        up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
-        share = (up_f / up_f.sum(0)).T.unsqueeze(1).contiguous()  # [servers, 1, senders]: each arrival's weight
-        lost = ~down.T                                       # [workers, servers]: the average did not come back
+        lib = native.FASTPATH
+        # (the C paths read the masks as bytes: bool masks only, as LinkSample makes them)
+        compiled = lib is not None and x.device.type == "cpu" and up.dtype == down.dtype == torch.bool
+        if compiled and weights is None and x.dtype in (torch.float32, torch.float64):
+            # In C where the install built it: counts and divisions, so torch's bits (shaky_block_shares)
+            share, up_bytes = x.new_empty(w, 1, w), up.contiguous()   # (kept alive through the call)
+            lib.shaky_block_shares(up_bytes.data_ptr(), w, share.data_ptr(), x.element_size())
+        else:
+            up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
+            share = (up_f / up_f.sum(0)).T.unsqueeze(1).contiguous()
+        # share: [servers, 1, senders], each arrival's weight in its server's average
         groups = _block_groups(dim, w)
         # Every server's average of its block, side by side in one row (read before anything is written: ``out``
         # may be ``x``) ...
@@ -105,15 +113,15 @@ class SimComm:
             avg[start:start + (last - first) * size] = torch.bmm(share[first:last], blocks.transpose(0, 1)).view(-1)
         # ... taken by every worker, except where it was lost: there it keeps its own block.
         out = x if overwrite and x.is_contiguous() else torch.empty_like(x)
-        lib = native.FASTPATH
-        if lib is not None and x.device.type == "cpu" and x.stride(1) == 1 and out.stride(1) == 1:
-            # One pass in C (where the install built it), row by row and block by block: copies only, so the
-            # bits of the torch path below, without its nonzero, gather and scatter per group of blocks.
-            lost = lost.contiguous()                         # bool: a byte each, [worker, server]
-            lib.shaky_take_blocks(out.data_ptr(), x.data_ptr(), avg.data_ptr(), lost.data_ptr(),
-                                  _block_bytes(dim, w, x.element_size())[1], w,
-                                  out.stride(0) * out.element_size(), x.stride(0) * x.element_size())
+        if compiled and x.stride(1) == 1 and out.stride(1) == 1:
+            # One pass in C, row by row and block by block (shaky_take_averages): copies only, so the bits of the
+            # torch path below, without its nonzero, gather and scatter per group of blocks.
+            down_bytes = down.contiguous()                          # (kept alive through the call)
+            lib.shaky_take_averages(out.data_ptr(), x.data_ptr(), avg.data_ptr(), down_bytes.data_ptr(),
+                                    _block_bytes(dim, w, x.element_size())[1], w,
+                                    out.stride(0) * out.element_size(), x.stride(0) * x.element_size())
             return out
+        lost = ~down.T                                       # [workers, servers]: the average did not come back
         kept = []   # the blocks whose average was lost, copied before ``out`` is written
         for first, last, start, size in groups:
             blocks = x[:, start:start + (last - first) * size].view(w, last - first, size)
