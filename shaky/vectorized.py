@@ -30,8 +30,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from collections.abc import Callable, Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +53,8 @@ InPlaceUpdate = Callable[[slice, torch.Tensor], None]
 FusedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, InPlaceUpdate], torch.Tensor]
 """``fused(params [W, D], x, y, mask, update) -> losses [W]``: the backward pass calls ``update`` per parameter."""
 
-__all__ = ["BatchedGradFn", "ForwardFn", "FusedFn", "FusedGradFn", "GradFn", "InPlaceUpdate", "fast_path", "generic_functions",
-           "make_functions", "tune_allocator", "worker_logits"]
+__all__ = ["BatchedGradFn", "ForwardFn", "FusedFn", "FusedGradFn", "GradFn", "InPlaceUpdate", "fast_path",
+           "generic_functions", "make_functions", "tune_allocator", "worker_logits"]
 
 
 def generic_functions(model: nn.Module, flat: FlatParams) -> tuple[GradFn, ForwardFn]:
@@ -101,7 +101,7 @@ def make_functions(model: nn.Module, flat: FlatParams, *, compile: bool = False)
 class BatchedGradFn:
     """A specialised gradient function (the linear and the grouped-convolution paths) that also computes every
     worker's logits on one shared batch in one batched pass: the evaluation's per-worker test accuracy (see
-    :func:`worker_logits`), about half the time of ``vmap`` over :data:`ForwardFn`."""
+    :func:`worker_logits`; against ``vmap`` over :data:`ForwardFn` 1.2x faster for the MLP, 2x for the CNN)."""
 
     def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

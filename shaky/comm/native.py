@@ -1,10 +1,10 @@
 """shaky's one compiled library, optional: ``shaky/comm/_fastpath.c``, loaded with ctypes.
 
 The install builds it where a C compiler and OpenSSL's headers are found (``setup.py``). It holds the UDP data
-plane's per-datagram work (``shaky.comm.udp``), the copies that finish the simulator's block average
-(``shaky.comm.sim``), numpy's seeded uniform draws for the delivery masks (``SeededUniform``, used by
-``shaky.network.model``) and the mini-batch sampler's keyed permutations (``shaky.sampler``). Where it was not built, each does the same work in Python, torch or numpy, with the same
-results.
+plane's per-datagram work (``shaky.comm.udp``), the arrival shares and the copies around the simulator's block
+average (``shaky.comm.sim``), numpy's seeded uniform draws for the delivery masks (``SeededUniform``, used by
+``shaky.network.model``) and the mini-batch sampler's keyed permutations (``shaky.sampler``). Where it was not
+built, each does the same work in Python, torch or numpy, with the same results.
 """
 
 from __future__ import annotations
