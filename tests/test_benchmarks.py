@@ -39,7 +39,8 @@ def test_the_loop_benchmark_keeps_the_default_batch_where_shards_hold_it() -> No
 
 def test_the_breakdown_benchmark_times_every_part_of_the_loop() -> None:
     proc = subprocess.run([sys.executable, "benchmarks/breakdown.py", "--workers", "4", "--drop-rate", "0.1",
-                           "--steps", "60", "--eval-every", "20"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+                           "--steps", "60", "--eval-every", "20"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = dict(re.findall(r"^\s*([a-z ]+?)\s+([\d.]+)\s+\d+%$", proc.stdout, re.MULTILINE))
     parts = ["step", "block average", "evaluation", "masks", "mask log", "sampler", "loss mean", "clock"]

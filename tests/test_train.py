@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from shaky.comm import native
 from shaky.comm.sim import SimComm
 from shaky.rundir import load_checkpoint
-from shaky.comm import native
 from shaky.sampler import _mix, _permuted
 from shaky.train import (SHARDS_FILE, BatchSampler, InterruptedRun, can_fuse, prepare, read_metrics,
                          train, train_step)

@@ -63,6 +63,15 @@ def _words(n: int) -> list[int]:
     return words
 
 
+def _compiled_uniform(prefix: np.ndarray, keys: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray | None:
+    """``shaky_uniform``'s draws for the entropy ``prefix`` (uint32 words) then ``keys``; None where the entropy
+    is longer than the C path takes (64 words). A key outside uint64 raises, as in numpy."""
+    out, words = np.empty(shape), np.array(keys, dtype=np.uint64)
+    rc = FASTPATH.shaky_uniform(prefix.ctypes.data, len(prefix), words.ctypes.data,  # type: ignore[union-attr]
+                                len(words), out.ctypes.data, out.size)
+    return out if rc == 0 else None
+
+
 class SeededUniform:
     """``draw(shape, *keys)``: ``np.random.default_rng([*ints, *keys]).random(shape)``, the same float64 values,
     computed in C where the library was built (``shaky_uniform``: about 1 us where numpy takes 15 us to build the
@@ -71,17 +80,11 @@ class SeededUniform:
     def __init__(self, *ints: int) -> None:
         self.ints = ints
         self._prefix = np.asarray([w for i in ints for w in _words(i)], dtype=np.uint32)
-        self._prefix_address = self._prefix.ctypes.data
         self.compiled = UNIFORM_MATCHES_NUMPY
 
     def __call__(self, shape: tuple[int, ...], *keys: int) -> np.ndarray:
-        if self.compiled:
-            out = np.empty(shape)
-            words = np.array(keys, dtype=np.uint64)       # (a key outside uint64 raises here, as in numpy)
-            if FASTPATH.shaky_uniform(self._prefix_address, len(self._prefix),  # type: ignore[union-attr]
-                                      words.ctypes.data, len(words), out.ctypes.data, out.size) == 0:
-                return out   # (-1: more than 64 words of entropy, numpy's below)
-        return np.random.default_rng([*self.ints, *keys]).random(shape)
+        out = _compiled_uniform(self._prefix, keys, shape) if self.compiled else None
+        return np.random.default_rng([*self.ints, *keys]).random(shape) if out is None else out
 
 
 def _uniform_matches_numpy() -> bool:
@@ -91,10 +94,8 @@ def _uniform_matches_numpy() -> bool:
         return False
     for ints in ((0, 7, 0), (12345, 0x6E6574, 2**32 + 5, 1), (2**40 + 3, 2**63)):
         prefix = np.asarray([w for i in ints[:-1] for w in _words(i)], dtype=np.uint32)
-        keys = np.asarray(ints[-1:], dtype=np.uint64)
-        out = np.empty(9)
-        FASTPATH.shaky_uniform(prefix.ctypes.data, len(prefix), keys.ctypes.data, 1, out.ctypes.data, out.size)
-        if not np.array_equal(out, np.random.default_rng(list(ints)).random(9)):
+        out = _compiled_uniform(prefix, ints[-1:], (9,))
+        if out is None or not np.array_equal(out, np.random.default_rng(list(ints)).random(9)):
             return False
     return True
 
