@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Sleeping OpenMP waiters: spinning ones slow everything 20x as soon as two processes share the cores.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test test-kill reproduce install clean
+.PHONY: demo test test-kill test-gpu reproduce install clean
 
 $(BIN)/shaky: pyproject.toml setup.py shaky/comm/_fastpath.c
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(BIN)/shaky
 # compared with the uninterrupted ones (several minutes; tests/test_kill.py).
 test-kill: $(BIN)/shaky
 	$(BIN)/python -m pytest -m kill
+
+# The equivalence tests on a CUDA device (tests/test_gpu.py; make test runs them too, and skips them without one).
+test-gpu: $(BIN)/shaky
+	$(BIN)/python -m pytest -m gpu -rs
 
 # Every claim in experiments/*.toml: run the sweeps (finished runs are kept, so an
 # interrupted reproduce resumes), then write REPRODUCTION.md and its plots in docs/reproduction.

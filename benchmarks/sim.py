@@ -72,7 +72,8 @@ from shaky.network.faults import Membership, Round  # noqa: E402
 from shaky.network.model import NetworkModel  # noqa: E402
 from shaky.strategies import REGISTRY, SGD  # noqa: E402
 from shaky.train import train_step  # noqa: E402
-from shaky.vectorized import fast_path, generic_functions, make_functions, tune_allocator  # noqa: E402
+from shaky.setup import deterministic_cuda, resolve_device  # noqa: E402
+from shaky.vectorized import _GroupedGrad, fast_path, generic_functions, make_functions, tune_allocator  # noqa: E402
 
 NUM_CLASSES = 10
 LR = 0.05
@@ -84,7 +85,13 @@ CASES: dict[str, tuple[str, tuple[int, ...], str]] = {
     "cnn": ("cnn", (784,), "28x28 (MNIST-sized), Conv2d"),
     "cnn1d": ("cnn", (40,), "mnist1d, Conv1d"),
     "resnet20": ("resnet20", (3, 32, 32), "CIFAR 3x32x32"),
+    "resnet110": ("resnet110", (3, 32, 32), "CIFAR 3x32x32"),
 }
+CUDA_PLAN: dict[str, tuple[int, ...]] = {"mlp": (16, 64, 256), "cnn": (16, 64, 256), "resnet20": (16, 64),
+                                         "resnet110": (16,)}
+"""--device cuda's default cases: each model at these W."""
+DEVICE = torch.device("cpu")
+"""Where the cases run (--device)."""
 GLOO_WORKERS = (4, 16)
 
 
@@ -98,28 +105,34 @@ def _median_ms(times: list[float]) -> float:
 
 
 def _setup(case: str, workers: int, batch: int, seed: int = 0, channels_last: bool = False) -> dict[str, Any]:
-    """Model, layout and a random batch per worker. ``channels_last``: 2-D conv nets (their weights and
-    inputs) in channels-last memory format, the layout oneDNN runs fastest, for the baselines b, c and d."""
+    """Model, layout and a random batch per worker, on ``DEVICE``. ``channels_last``: 2-D conv nets (their
+    weights and inputs) in channels-last memory format, the layout oneDNN runs fastest, for the baselines b, c
+    and d."""
     name, shape, _ = CASES[case]
-    model = build_model(name, input_shape=shape, num_classes=NUM_CLASSES, seed=seed)
+    model = build_model(name, input_shape=shape, num_classes=NUM_CLASSES, seed=seed).to(DEVICE)
     flat = FlatParams(model)
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(workers, batch, *shape, generator=gen)
-    y = torch.randint(0, NUM_CLASSES, (workers, batch), generator=gen)
+    x = torch.randn(workers, batch, *shape, generator=gen).to(DEVICE)
+    y = torch.randint(0, NUM_CLASSES, (workers, batch), generator=gen).to(DEVICE)
     image_shape = tuple(getattr(model, "shape", ()))
     if channels_last and len(image_shape) == 3:
         model = model.to(memory_format=torch.channels_last)
         x = x.reshape(workers * batch, *image_shape).contiguous(memory_format=torch.channels_last)
         x = x.view(workers, batch, *image_shape)
-    return {"model": model, "flat": flat, "x": x, "y": y, "mask": torch.ones(workers, batch)}
+    return {"model": model, "flat": flat, "x": x, "y": y, "mask": torch.ones(workers, batch, device=DEVICE)}
 
 
 class SimRound:
     """(a): the simulator's round, ``shaky.train.train_step`` with RPS, exactly what train.py runs."""
 
-    def __init__(self, s: dict[str, Any], workers: int, generic: bool = False, compile: bool = False) -> None:
+    def __init__(self, s: dict[str, Any], workers: int, generic: bool = False, compile: bool = False,
+                 channels_last: bool | None = None) -> None:
         model, flat = s["model"], s["flat"]
-        self.grad_fn = (generic_functions(model, flat) if generic else make_functions(model, flat, compile=compile))[0]
+        if channels_last is not None:   # the grouped conv path in the layout given (a_alt)
+            self.grad_fn: Any = _GroupedGrad(model, flat, channels_last=channels_last)
+        else:
+            self.grad_fn = (generic_functions(model, flat) if generic else
+                            make_functions(model, flat, compile=compile))[0]
         self.params = flat.flatten(model)[None].repeat(workers, 1).contiguous()
         self.strategy = REGISTRY["rps"](None, SGD(OptimConfig(lr=LR)))  # rps reads no strategy options
         self.state = self.strategy.init(self.params)
@@ -141,14 +154,15 @@ class SimRound:
     def __call__(self) -> None:
         # train.py's step function, so (a) is what `shaky train` runs (for the MLP: the optimizer inside the
         # backward pass, then the average in place); marks split it into the gradient part and the rest.
-        marks = [CLOCK()]
+        # (On a GPU the marks would time the launches, not the work: no split there.)
+        marks = [CLOCK()] if DEVICE.type == "cpu" else None
         rnd = self.rounds[self.round % len(self.rounds)]
         with self._label("a: train_step"):
             self.params, self.state, _, _, _ = train_step(self.grad_fn, self.strategy, self.params, self.state,
                                                           self.x, self.y, self.mask, self.comm, rnd, marks=marks)
         self.round += 1
-        self.grad_s.append(marks[1] - marks[0])
-        self.step_s.append(marks[2] - marks[1])
+        self.grad_s.append(marks[1] - marks[0] if marks else float("nan"))
+        self.step_s.append(marks[2] - marks[1] if marks else float("nan"))
 
 
 class LoopRound:
@@ -193,8 +207,8 @@ def _budget(quick: bool) -> tuple[float, int, int]:
 
 
 def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap: bool,
-                     with_loop: bool, channels_last: bool = False) -> dict[str, Any]:
-    """a, b, c (and a_vmap) interleaved in bursts of rounds; medians and minimums in ms."""
+                     with_loop: bool, channels_last: bool = False, with_alt: bool = False) -> dict[str, Any]:
+    """a, b, c (and a_vmap, a_alt) interleaved in bursts of rounds; medians and minimums in ms."""
     s = _setup(case, workers, batch)
     base = _setup(case, workers, batch, channels_last=channels_last) if channels_last else s
     runs: dict[str, Callable[[], None]] = {"a": SimRound(s, workers), "c": LimitRound(base, workers)}
@@ -202,6 +216,9 @@ def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap
         runs["b"] = LoopRound(base, workers)
     if with_vmap:
         runs["a_vmap"] = SimRound(s, workers, generic=True)
+    a_fn = runs["a"].grad_fn if isinstance(runs["a"], SimRound) else None
+    if with_alt and isinstance(a_fn, _GroupedGrad):   # the grouped conv path in its other memory layout
+        runs["a_alt"] = SimRound(s, workers, channels_last=not a_fn.channels_last)
     budget_s, fewest, most = _budget(quick)
     times: dict[str, list[float]] = {k: [] for k in runs}
     a = runs["a"]
@@ -235,7 +252,30 @@ def bench_in_process(case: str, workers: int, batch: int, quick: bool, with_vmap
     out["a_grad_min"] = min(grad_s) * 1e3
     out["a_step_min"] = min(step_s) * 1e3
     out["rounds"] = len(times["a"])
+    if a_fn is not None and isinstance(a_fn, _GroupedGrad):
+        out["a_layout"] = "channels-last" if a_fn.channels_last else "NCHW"
     return out
+
+
+def cuda_peak_memory(case: str, workers: int, batch: int) -> dict[str, Any]:
+    """Peak GPU memory of (a): the most PyTorch's allocator held during two rounds (data, parameters, state and
+    activations), and its growth over what was allocated before them."""
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        s = _setup(case, workers, batch)
+        run = SimRound(s, workers)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del run, s
+        return {"peak_mb": (peak - before) / 2**20, "gpu_peak_mb": peak / 2**20}
+    except torch.cuda.OutOfMemoryError as e:
+        return {"error": f"out of memory ({' '.join(str(e).split())[:80]})"}
 
 
 def profile_round(case: str, workers: int, batch: int, rounds: int = 5, row_limit: int = 18) -> None:
@@ -410,17 +450,18 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    cols = ["model", "W", "a ms", "a_grad", "a_step", "a_vmap", "b ms", "c ms", "d ms", "a/c", "b/a", "d/a",
-            "vmap/a", "a/c min", "b/a min", "peak MB"]
+    cols = ["model", "W", "a ms", "a_grad", "a_step", "a_vmap", "a_alt", "b ms", "c ms", "d ms", "a/c", "b/a", "d/a",
+            "vmap/a", "alt/a", "a/c min", "b/a min", "peak MB", "GPU MB"]
     lines = [cols]
     for r in rows:
         a = r.get("a")
         peak = _fmt(r.get("peak_mb"), 0) if r.get("peak_mb") is not None else ("err" if "peak_error" in r else "-")
         lines.append([r["case"], str(r["W"]), _fmt(a), _fmt(r.get("a_grad")), _fmt(r.get("a_step")),
-                      _fmt(r.get("a_vmap")), _fmt(r.get("b")), _fmt(r.get("c")), _fmt(r.get("d")),
-                      _fmt(_ratio(a, r.get("c"))), _fmt(_ratio(r.get("b"), a)), _fmt(_ratio(r.get("d"), a)),
-                      _fmt(_ratio(r.get("a_vmap"), a)), _fmt(_ratio(r.get("a_min"), r.get("c_min"))),
-                      _fmt(_ratio(r.get("b_min"), r.get("a_min"))), peak])
+                      _fmt(r.get("a_vmap")), _fmt(r.get("a_alt")), _fmt(r.get("b")), _fmt(r.get("c")),
+                      _fmt(r.get("d")), _fmt(_ratio(a, r.get("c"))), _fmt(_ratio(r.get("b"), a)),
+                      _fmt(_ratio(r.get("d"), a)), _fmt(_ratio(r.get("a_vmap"), a)), _fmt(_ratio(r.get("a_alt"), a)),
+                      _fmt(_ratio(r.get("a_min"), r.get("c_min"))),
+                      _fmt(_ratio(r.get("b_min"), r.get("a_min"))), peak, _fmt(r.get("gpu_peak_mb"), 0)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
     for i, line in enumerate(lines):
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
@@ -458,18 +499,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="after the table, print torch.profiler tables of (a) and (c) for every case")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default), cuda or cuda:N: where every case runs (with shaky train's settings "
+                             "for a GPU: deterministic algorithms); on a GPU there is no (d), and the default "
+                             f"cases are {', '.join(f'{m} at W = {list(w)}' for m, w in CUDA_PLAN.items())}")
     args = parser.parse_args(argv)
 
-    global CLOCK
-    CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
+    global CLOCK, DEVICE
+    try:
+        DEVICE = resolve_device(args.device)
+    except ValueError as exc:
+        parser.error(f"--device: {exc}")
+    cuda = DEVICE.type == "cuda"
+    if cuda:
+        deterministic_cuda()
+        torch.cuda.set_device(DEVICE)
+        args.no_gloo = True
+        if args.clock != "wall":
+            parser.error("--clock cpu times the host alone; on a GPU use the wall clock")
+
+        def cuda_clock() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+
+        CLOCK = cuda_clock
+    else:
+        CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
     tuned = args.allocator != "off" and tune_allocator(keep_large_blocks=args.allocator == "keep")
     allocator = args.allocator if tuned else "off"
-    models = args.models or (["mlp", "cnn", "cnn1d", "resnet20"] if not args.quick else ["mlp", "cnn1d", "cnn"])
+    models = args.models or ((list(CUDA_PLAN) if cuda else ["mlp", "cnn", "cnn1d", "resnet20"]) if not args.quick
+                             else ["mlp", "cnn1d", "cnn"])
     workers = args.workers or ([4, 16, 64] if not args.quick else [4, 16])
     threads = torch.get_num_threads()
-    print(f"shaky benchmarks/sim.py: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+    gpu = f"{torch.cuda.get_device_name(DEVICE)} ({DEVICE}), " if cuda else ""
+    print(f"shaky benchmarks/sim.py: {gpu}{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), "
           f"OMP_WAIT_POLICY {OMP_POLICY}, "
           f"allocator: {allocator}, batch {args.batch} per worker, random inputs, {args.clock} clock, "
@@ -478,18 +543,20 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for case in models:
-        for w in workers:
+        for w in (CUDA_PLAN.get(case, (16, 64)) if cuda and not args.workers else workers):
             name, shape, what = CASES[case]
-            # The naive loop and the generic vmap path of ResNet-20 at W = 64 take most of a minute a round.
-            heavy = case == "resnet20" and w > 16 and not args.all
+            # The naive loop and the generic vmap path of ResNet-20 at W = 64 take most of a minute a round (on
+            # the CPU); ResNet-110's and W = 256's take long on a GPU too.
+            heavy = ((case.startswith("resnet") and w > 16) or case == "resnet110" or w > 64) and not args.all
             vmap_ok = not args.no_vmap and not heavy and not (case == "resnet20" and w > 4 and args.quick)
             t0 = time.perf_counter()
             row: dict[str, Any] = {"case": case, "model": name, "input": list(shape), "what": what, "W": w,
                                    "fast_path": fast_path(_setup(case, 1, 1)["model"])}
             row.update(bench_in_process(case, w, args.batch, args.quick, vmap_ok, with_loop=not heavy,
-                                        channels_last=args.channels_last))
+                                        channels_last=args.channels_last, with_alt=cuda and not heavy))
             if not args.no_memory:
-                mem = peak_memory(case, w, args.batch, threads, allocator, timeout_s=600)
+                mem = (cuda_peak_memory(case, w, args.batch) if cuda else
+                       peak_memory(case, w, args.batch, threads, allocator, timeout_s=600))
                 if "error" in mem:
                     row["peak_error"] = mem["error"]
                 else:
@@ -509,6 +576,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  gloo W={w}: {res} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print()
     print_table(rows)
+    if cuda:
+        print("\non the GPU: a_grad/a_step not split (the marks would time the launches); a_alt: a with the "
+              "grouped conv path in its other memory layout; peak MB: the GPU memory (a) allocates beyond its "
+              "inputs; GPU MB: the most it held")
     print(f"\nmedians in ms per round (a = a_grad + a_step; a_vmap: a with the generic vmap grad_fn); "
           f"'min' ratios use each column's fastest round,\nwhich is what a quiet machine would show; peak MB = "
           f"growth of the peak resident set while (a) runs; load average now {os.getloadavg()[0]:.1f}; "
@@ -519,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
                 profile_round(case, w, args.batch, rounds={"mlp": 50, "cnn1d": 20}.get(case, 2))
     if args.json:
         args.json.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
+                                                     "device": str(DEVICE), "gpu": gpu.split(" (")[0],
                                                      "threads": threads, "allocator": allocator,
                                                      "clock": args.clock},
                                          "rows": rows}, indent=1))

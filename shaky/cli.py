@@ -58,6 +58,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "checkpoint_every": ("checkpoint_every", int, "write a checkpoint every N steps (default 500; 0 = only the "
                          "final one and the one written when Ctrl-C or SIGTERM stops the run)"),
     "replay_trace": ("network.trace", str, "run directory whose delivery masks are replayed"),
+    "device": ("device", str, "cpu (the default), cuda or cuda:N: where the data, the workers' models and the "
+               "exchanges live"),
     "backend": ("backend", str,
                 "sim (all workers in this process, the default) or dist (one worker per torchrun process)"),
     "transport": ("dist.transport", str, "dist backend's data plane: gloo (the default: TCP, losses drawn) or udp "
@@ -195,7 +197,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         joining = _joining(cfg.dist_timeout_s) if cfg.backend == "dist" else None
         if joining is None:
             _check_out(args)
-        setup = prepare(cfg, measure=cfg.backend != "dist")  # dist: rank 0 measures alone (_train_dist)
+        # dist: rank 0 measures alone (_train_dist); device cuda puts each rank on GPU LOCAL_RANK
+        setup = prepare(cfg, measure=cfg.backend != "dist",
+                        local_rank=int(os.environ.get("LOCAL_RANK") or 0) if cfg.backend == "dist" else None)
     except (ValueError, TypeError) as exc:
         raise BadInput(str(exc)) from None
     if joining is not None:
@@ -304,6 +308,7 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
         if not args.quiet:
             print(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}, "
                   f"{comm.join_wait_s:.2f} s after asking", file=sys.stderr, flush=True)
+        comm = _staged(comm, setup)
         with _stopping(run_dir, "torchrun ... -m shaky train", writer=False):
             train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
                   faults=_faults(), welcome=welcome)
@@ -325,6 +330,15 @@ def _first_difference(mine: Any, theirs: Any, name: str = "") -> tuple[str, Any,
                 return found
         return None
     return None if mine == theirs else (name, mine, theirs)
+
+
+def _staged(comm: Any, setup: Any) -> Any:
+    """On a GPU rank, the host Comm (gloo or udp) behind pinned-memory staging (shaky.comm.staged)."""
+    if setup.device.type == "cpu":
+        return comm
+    from shaky.comm.staged import StagedComm  # noqa: PLC0415
+
+    return StagedComm(comm, setup.device)
 
 
 def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
@@ -350,6 +364,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
                             latency_ms=setup.network.latency_ms.tolist())
         else:
             comm = DistComm(heartbeat=True)
+        comm = _staged(comm, setup)
     except ValueError as exc:    # udp: a key file, a port or the keys (on every rank alike)
         dist.destroy_process_group()
         raise BadInput(str(exc)) from None

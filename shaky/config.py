@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import types
 import typing
@@ -43,6 +44,7 @@ UDP_OVERHEAD_BYTES = 52
 """Header and tag bytes of a udp datagram (``shaky.comm.udp.OVERHEAD_BYTES``; a test checks they agree):
 a datagram of ``dist.datagram_bytes`` carries a segment of ``datagram_bytes - 52`` bytes."""
 DTYPES = ("float32", "float64")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:(0|[1-9][0-9]{0,3}))?")
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_STEPS = 10**9
 """Upper bound on steps: a billion steps is weeks of training even for the smallest model here, so a larger
@@ -433,6 +435,10 @@ class RunConfig:
     """dist backend: a collective that waits longer than this fails (a dead or hung rank)."""
     dtype: str = "float32"
     """Parameter precision: float32 or float64."""
+    device: str = "cpu"
+    """Where the tensors live: cpu, cuda or cuda:N. The data set moves there once; every worker's parameters and
+    state, the exchanges and the evaluation run there. On the dist backend, cuda puts each rank on GPU
+    LOCAL_RANK (mod the GPUs it sees)."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -463,6 +469,8 @@ class RunConfig:
             raise ValueError(f"strategy.redundancy (q = {self.strategy.redundancy}) must be at most "
                              f"num_workers (p = {self.num_workers}): there are only p data chunks")
         _check_choice("dtype", self.dtype, DTYPES)
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N (N a GPU's index); got {self.device!r}")
         if self.dtype == "float32":  # torch refuses a scalar factor that overflows the tensors' dtype
             for name, value in (("optim.lr", self.optim.lr), ("optim.weight_decay", self.optim.weight_decay),
                                 ("optim.eps", self.optim.eps), ("strategy.outer_lr", self.strategy.outer_lr)):

@@ -309,7 +309,7 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
     if hashlib.sha256(payload).hexdigest().encode() != header[len(_CHECKPOINT_HEADER):]:
         raise ValueError(f"{path}: fails its checksum (the file is damaged); nothing was resumed")
     try:
-        blob = torch.load(io.BytesIO(payload), weights_only=False)
+        blob = torch.load(io.BytesIO(payload), weights_only=False, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, the file is unusable
         raise ValueError(f"{path}: cannot be loaded ({type(exc).__name__})") from None
     if not isinstance(blob, dict) or not {"params", "state", "counters"} <= set(blob):

@@ -44,6 +44,7 @@ class Setup:
     strategy: Strategy[Any]
     compute_ms: float
     dtype: torch.dtype
+    device: torch.device
     grad_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     forward_fn: Callable[..., torch.Tensor] = field(repr=False)
 
@@ -72,7 +73,8 @@ def measured_compute_ms(setup: Setup) -> float:
     """
     cfg = setup.cfg
     key = json.dumps([cfg.data.dataset, str(Path(cfg.data.path).resolve()) if cfg.data.path else "",
-                      cfg.model.name, cfg.model.hidden, cfg.batch_size, cfg.dtype, torch.__version__, _cpu_name()])
+                      cfg.model.name, cfg.model.hidden, cfg.batch_size, cfg.dtype, torch.__version__, _cpu_name()]
+                     + ([torch.cuda.get_device_name(setup.device)] if setup.device.type == "cuda" else []))
     if key in _COMPUTE_MS:
         return _COMPUTE_MS[key]
     path = cache_dir() / COMPUTE_CACHE
@@ -114,19 +116,25 @@ def _measure(setup: Setup) -> float:
 
     The minimum, not the mean, because everything else running on the machine only ever adds time; one
     thread, because a simulated worker stands for one device, as a sweep's process or a torchrun rank is.
+    On a GPU: one worker's pass on the run's GPU, waited for.
     """
     cfg = setup.cfg
     params = setup.flat.flatten(setup.model)[None]
     n = min(cfg.batch_size, len(setup.data.y_train))
     x, y = setup.data.x_train[None, :n], setup.data.y_train[None, :n]
-    mask = torch.ones(1, n, dtype=x.dtype if x.is_floating_point() else setup.dtype)
+    mask = torch.ones(1, n, dtype=x.dtype if x.is_floating_point() else setup.dtype, device=x.device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    cuda = setup.device.type == "cuda"
     try:
         times = []
         for i in range(10):
+            if cuda:
+                torch.cuda.synchronize(setup.device)
             t0 = time.perf_counter()
             setup.grad_fn(params, x, y, mask)
+            if cuda:
+                torch.cuda.synchronize(setup.device)
             if i >= 3:  # the first calls pay for allocation and dispatch warm-up
                 times.append(time.perf_counter() - t0)
     finally:
@@ -170,12 +178,58 @@ def _check_batches_fit(cfg: RunConfig, shards: list[np.ndarray]) -> None:
                      f"use batch_size <= {smallest // (cfg.strategy.redundancy if grown else 1)} or fewer workers")
 
 
-def prepare(cfg: RunConfig, *, measure: bool = True) -> Setup:
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """The torch device of the ``device`` setting (cpu, cuda or cuda:N), or a ValueError naming it where this
+    machine has no such device. ``local_rank`` (a torchrun rank's LOCAL_RANK): plain cuda is GPU
+    ``local_rank`` mod the GPUs this process sees, so that the ranks of one machine spread over its GPUs."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no GPU visible"
+        raise ValueError(f"device {name!r}: CUDA is not available here (torch {torch.__version__}, {build}); "
+                         "use device cpu")
+    count = torch.cuda.device_count()
+    if ":" in name:
+        index = int(name.split(":", 1)[1])
+    else:
+        index = (local_rank or 0) % count
+    if index >= count:
+        raise ValueError(f"device {name!r}: this machine has {count} CUDA device{'s' * (count != 1)} "
+                         f"(cuda:0 to cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
+def deterministic_cuda() -> None:
+    """Settings that make a GPU run give the same numbers every time (process-wide; called before the run
+    touches the GPU): PyTorch's deterministic algorithms (warning, not failing, for an operation that has
+    none), cuDNN without its timing-based choice of algorithms, and the cuBLAS workspace size that makes its
+    reductions deterministic. Memory PyTorch allocates uninitialised is not filled: shaky writes all it
+    allocates, and filling would cost a kernel per allocation."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    torch.backends.cudnn.benchmark = False
+
+
+def to_device(data: Dataset, device: torch.device) -> Dataset:
+    """The data set's tensors moved to ``device`` once (the run then indexes its batches there)."""
+    if device.type == "cpu":
+        return data
+    return dataclasses.replace(data, x_train=data.x_train.to(device), y_train=data.y_train.to(device),
+                               x_test=data.x_test.to(device), y_test=data.y_test.to(device))
+
+
+def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = None) -> Setup:
     """Loads data, cuts shards, builds the model, network and strategy; raises ValueError on bad input.
 
     Without ``measure`` a compute time that is not set stays -1 for the caller to fill in (the dist
-    backend: rank 0 reads or measures it, and every rank takes rank 0's)."""
+    backend: rank 0 reads or measures it, and every rank takes rank 0's). ``local_rank``: see
+    :func:`resolve_device`."""
     dtype = getattr(torch, cfg.dtype)
+    device = resolve_device(cfg.device, local_rank)
+    if device.type == "cuda":
+        deterministic_cuda()
+        torch.cuda.set_device(device)
     data = load_dataset(cfg.data.dataset, seed=cfg.seed, path=cfg.data.path,
                         test_fraction=cfg.data.test_fraction, max_len=cfg.data.max_len)
     if data.x_train.is_floating_point():
@@ -184,8 +238,9 @@ def prepare(cfg: RunConfig, *, measure: bool = True) -> Setup:
                        alpha=cfg.data.dirichlet_alpha)
     shards = assign_chunks(chunks, cfg.strategy.redundancy)
     _check_batches_fit(cfg, shards)
+    data = to_device(data, device)
     model = build_model(cfg.model.name, input_shape=data.input_shape, num_classes=data.num_classes,
-                        vocab_size=data.vocab_size, hidden=cfg.model.hidden, seed=cfg.seed).to(dtype)
+                        vocab_size=data.vocab_size, hidden=cfg.model.hidden, seed=cfg.seed).to(device, dtype)
     flat = FlatParams(model)
     if cfg.network.trace:
         up, down = _load_trace(cfg)
@@ -194,7 +249,7 @@ def prepare(cfg: RunConfig, *, measure: bool = True) -> Setup:
         network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed, dim=flat.dim, itemsize=dtype.itemsize)
     grad_fn, forward_fn = make_functions(model, flat)
     setup = Setup(cfg, data, shards, model, flat, network, build_strategy(cfg), cfg.network.compute_ms,
-                  dtype, grad_fn, forward_fn)
+                  dtype, device, grad_fn, forward_fn)
     if setup.compute_ms < 0 and measure:
         setup.compute_ms = measured_compute_ms(setup)
     return setup
@@ -215,7 +270,7 @@ def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, weights: torch.Tens
     consensus = comm.mean((params - mean).pow(2).sum(dim=1, keepdim=True), weights)[0, 0]
     x, y = setup.data.x_test, setup.data.y_test
     avg_correct = avg_loss = 0.0
-    worker_correct = torch.zeros(params.shape[0], dtype=torch.float64)
+    worker_correct = torch.zeros(params.shape[0], dtype=torch.float64, device=params.device)
     per_worker = worker_logits(setup.grad_fn, setup.forward_fn)
     with torch.no_grad():
         for s in range(0, len(y), chunk):

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from shaky.comm.base import Comm
+from shaky.comm.base import Comm, on_device
 from shaky.comm.sim import SimComm
 from shaky.config import RunConfig, to_dict
 from shaky.data import shard_summary
@@ -50,7 +50,7 @@ def can_fuse(grad_fn: Callable[..., Any], strategy: Strategy[Any]) -> bool:
 
 def _rows_where(rows: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``fn(a, b)``: a's rows where ``rows`` is True, b's elsewhere, for tensors of any rank with a worker axis."""
-    return lambda a, b: torch.where(rows.reshape(-1, *([1] * (a.dim() - 1))), a, b)
+    return lambda a, b: torch.where(on_device(rows, a.device).reshape(-1, *([1] * (a.dim() - 1))), a, b)
 
 
 def train_step(grad_fn: Callable[..., Any], strategy: Strategy[Any], params: torch.Tensor, state: Any,
@@ -110,7 +110,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     cfg = setup.cfg
     comm = comm or SimComm(cfg.num_workers)
     sampler = BatchSampler(setup.shards, comm.rows.tolist(), cfg.worker_batch_sizes(), cfg.seed)
-    batch_mask = sampler.mask.to(setup.dtype)
+    batch_mask = sampler.mask.to(setup.device, setup.dtype)
     members = FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps, sample_weights(cfg))
     clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms,
                   exchange_compute_ms=cfg.network.exchange_compute_ms)
@@ -158,7 +158,7 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         if rnd.members.any_rejoined:  # a returning worker takes the live workers' average model and state
             params, state = _take_back(rnd.members, members.live(step - 1), comm, params, state)
         evaluating = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
-        idx = sampler.indices(step)
+        idx = on_device(sampler.indices(step), x_train.device)
         params, state, stats, losses, grads = train_step(setup.grad_fn, strategy, params, state, _take(x_train, idx),
                                                          _take(y_train, idx), batch_mask, comm, rnd,
                                                          need_grads=evaluating)
@@ -214,7 +214,7 @@ def _welcome(joiners: tuple[int, ...], comm: Comm, members: FailureSchedule, clo
     state = map_rows(state, lambda t: t)
     masks.settle(comm, counters)
     comm.welcome(joiners, {"counters": dict(vars(counters)), "clock": clock.state, "masks": masks.log.packed(),
-                           "failures": members.failures, "state": state})
+                           "failures": members.failures, "state": map_rows(state, lambda t: t.cpu())})
     return state
 
 
@@ -269,10 +269,11 @@ def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: _Masks,
             masks.log.append(recorded.sample(r))
         if writer:
             truncate_metrics(run_dir, counters.step)
-        return ckpt["params"][rows], map_rows(ckpt["state"], lambda t: t[rows]), counters
+        device = setup.device
+        return (ckpt["params"][rows].to(device), map_rows(ckpt["state"], lambda t: t[rows].to(device)), counters)
     params = setup.flat.flatten(setup.model)[None].repeat(len(rows), 1)
     if writer:
-        shards = shard_summary(setup.shards, setup.data.y_train.numpy(), setup.data.num_classes)
+        shards = shard_summary(setup.shards, setup.data.y_train.cpu().numpy(), setup.data.num_classes)
         for entry, shard in zip(shards, setup.shards):
             entry["indices"] = [int(i) for i in shard]
         create(run_dir, cfg, shards, again=resume)  # resume without a checkpoint: the run starts again
@@ -288,7 +289,7 @@ def _rejoin(setup: Setup, welcome: dict[str, Any], clock: Clock, masks: _Masks,
     masks.log.restore(welcome["masks"])
     members.adopt(welcome["failures"])
     params = setup.flat.flatten(setup.model)[None]
-    return params, welcome["state"], counters
+    return params, map_rows(welcome["state"], lambda t: t.to(setup.device)), counters
 
 
 def _checkpoint(setup: Setup, run_dir: Path, comm: Comm, params: torch.Tensor, state: Any, counters: Counters,
@@ -306,8 +307,8 @@ def _checkpoint(setup: Setup, run_dir: Path, comm: Comm, params: torch.Tensor, s
     if writer and observed:   # first: a checkpoint always has the masks of the rounds before it
         save_trace(run_dir, masks.log.packed(), setup.cfg.num_workers)
     if writer:
-        save_checkpoint(run_dir, {
-            "params": full_params, "state": full_state, "config": to_dict(setup.cfg), "clock": clock.state,
+        save_checkpoint(run_dir, {   # on the host: a checkpoint resumes on any device
+            "params": full_params.cpu(), "state": map_rows(full_state, lambda t: t.cpu()), "config": to_dict(setup.cfg), "clock": clock.state,
             "compute_ms": setup.compute_ms,
             "counters": {**vars(counters), "wall_time_s": counters.wall_time_s + time.perf_counter() - t_start}})
         if trace and not observed:

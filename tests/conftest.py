@@ -33,10 +33,14 @@ if "SHAKY_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["SHAKY_CACHE_DIR"], True)
 
 
+DEVICE = "cpu"
+"""The device of :func:`make_config`'s runs: tests/test_gpu.py sets cuda to run the equivalence tests there."""
+
+
 def make_config(**overrides: Any) -> RunConfig:
     """A digits/mlp config for tests; dotted keys via dict nesting (network={"drop_rate": 0.1})."""
     values: dict[str, Any] = {"num_workers": 4, "steps": 50, "batch_size": 16, "eval_every": 25,
-                              "network": {"compute_ms": 1.0}}
+                              "network": {"compute_ms": 1.0}, "device": DEVICE}
     for key, value in overrides.items():
         if isinstance(value, dict):
             values[key] = {**values.get(key, {}), **value}
@@ -120,7 +124,7 @@ def train_by_hand(cfg: RunConfig, make_opt: Callable[[list[torch.nn.Parameter]],
     function run after each step t. Returns the flat parameters."""
     setup = prepare(cfg)
     model = build_model(cfg.model.name, input_shape=setup.data.input_shape, num_classes=setup.data.num_classes,
-                        seed=cfg.seed)
+                        seed=cfg.seed).to(setup.device)
     params = list(model.parameters())
     opt = make_opt(params)
     after = after_step(params) if after_step is not None else None
@@ -129,13 +133,13 @@ def train_by_hand(cfg: RunConfig, make_opt: Callable[[list[torch.nn.Parameter]],
         if lr_at is not None:
             for group in opt.param_groups:
                 group["lr"] = lr_at(t)
-        idx = sampler.indices(t)[0]
+        idx = sampler.indices(t)[0].to(setup.device)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(setup.data.x_train[idx]), setup.data.y_train[idx]).backward()
         opt.step()
         if after is not None:
             after(t)
-    return torch.cat([p.detach().reshape(-1) for p in params])
+    return torch.cat([p.detach().reshape(-1) for p in params]).cpu()
 
 
 @pytest.fixture

@@ -138,6 +138,21 @@ def test_cifar10_data_path_does_not_exist(cwd: Path, capsys: pytest.CaptureFixtu
     assert "data.path" in msg and repr(str(missing)) in msg and "not a directory" in msg
 
 
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "CUDA"])
+def test_a_device_that_is_not_cpu_cuda_or_cuda_n_is_refused(device: str, cwd: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    msg = bad_input(["train", "--device", device], capsys, cwd)
+    assert msg == f"shaky: error: device must be cpu, cuda or cuda:N (N a GPU's index); got {device!r}"
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_line(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without CUDA, --device cuda says so; with it, a GPU index past the last one is named."""
+    device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    msg = bad_input(["train", "--device", device, "--steps", "2"], capsys, cwd)
+    assert msg.startswith(f"shaky: error: device {device!r}: ")
+    assert ("CUDA is not available here" in msg) != torch.cuda.is_available()
+
+
 def test_cifar10_without_data_path(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
     msg = bad_input(["train", "--dataset", "cifar10"], capsys, cwd)
     assert "data.path" in msg and "cifar10" in msg and msg.endswith("got ''")

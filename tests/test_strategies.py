@@ -163,6 +163,31 @@ def test_block_average_s_compiled_parts_give_the_torch_path_s_bits(monkeypatch: 
                 assert torch.equal(compiled, reference), (w, dim, drop, step, overwrite)
 
 
+def test_block_average_s_gpu_path_gives_the_cpu_path_s_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's last step of the block average (one elementwise choice per group of blocks, no nonzero) run on
+    the CPU: the bits of the CPU's paths, in place or not, with uneven blocks, weights, moved servers and a
+    strided input."""
+    import shaky.comm.sim as sim  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(9)
+    for w, dim, drop in ((16, 2613, 0.1), (5, 37, 0.5), (7, 3, 0.3), (4, 40, 0.9)):
+        network = NetworkModel(NetworkConfig(drop_rate=drop), w, seed=w)
+        for step in range(3):
+            links = network.sample(step)
+            x = torch.randn(w, dim + 3, generator=gen)
+            kwargs = {"weights": torch.rand(w, generator=gen, dtype=torch.float64) + 0.5 if step == 1 else None,
+                      "servers": torch.randperm(w, generator=gen) if step == 2 else None}
+            for source, overwrite in ((x[:, :dim].contiguous(), False), (x[:, :dim].contiguous(), True),
+                                      (x[:, 2:dim + 2], False)):
+                cpu = SimComm(w).block_average(source.clone() if overwrite else source, links.up, links.down,
+                                               overwrite=overwrite, **kwargs)
+                with monkeypatch.context() as m:
+                    m.setattr(sim, "WHERE_ON_CPU", True)
+                    where = SimComm(w).block_average(source.clone() if overwrite else source, links.up, links.down,
+                                                     overwrite=overwrite, **kwargs)
+                assert torch.equal(where, cpu), (w, dim, drop, step, overwrite)
+
+
 def test_block_average_in_place_matches_a_fresh_result() -> None:
     w, dim = 5, 37
     gen = torch.Generator().manual_seed(2)

@@ -22,6 +22,18 @@ if TYPE_CHECKING:
     from shaky.network.model import LinkSample
 
 
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: itself where it is there already; from the host to a GPU through pinned memory,
+    without waiting for the GPU (the copy is queued on the current stream, before the work that reads it).
+    The round's masks, membership and batch indices are drawn on the host, the same on every device, and
+    cross this way (a few hundred bytes a step)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def block_sizes(dim: int, num_blocks: int) -> list[int]:
     """Splits ``dim`` values into ``num_blocks`` contiguous blocks as equal as possible (larger ones first)."""
     base, extra = divmod(dim, num_blocks)

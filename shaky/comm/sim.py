@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from shaky.comm import native
-from shaky.comm.base import Done, block_sizes, segment_counts, segment_length
+from shaky.comm.base import Done, block_sizes, on_device, segment_counts, segment_length
 
 if TYPE_CHECKING:
     from shaky.network.model import LinkSample
@@ -35,6 +35,25 @@ def _block_bytes(dim: int, num_workers: int, itemsize: int) -> tuple[np.ndarray,
     return out, out.ctypes.data
 
 
+WHERE_ON_CPU = False
+"""Whether the CPU too takes :func:`_take_where_delivered` (the tests check it gives the CPU path's bits); the CPU
+copies only the lost blocks, which is faster there."""
+
+
+def _take_where_delivered(out: torch.Tensor, x: torch.Tensor, avg: torch.Tensor, lost: torch.Tensor,
+                          groups: tuple[tuple[int, int, int, int], ...]) -> torch.Tensor:
+    """``out[i, block j] = x[i, block j] if lost[i, j] else avg[block j]``: the block average's last part as one
+    elementwise choice per group of blocks (the GPU's path: no ``nonzero``, which waits for the GPU, and no
+    gather or scatter). Copies only, so the CPU path's bits; ``out`` may be ``x`` (each element is read before
+    it is written)."""
+    w = x.shape[0]
+    for first, last, start, size in groups:
+        nb, stop = last - first, start + (last - first) * size
+        torch.where(lost[:, first:last, None], x[:, start:stop].view(w, nb, size),
+                    avg[start:stop].view(1, nb, size), out=out[:, start:stop].view(w, nb, size))
+    return out
+
+
 class SimComm:
     """Comm for W workers held in one process; every exchange is a few tensor ops."""
 
@@ -46,7 +65,7 @@ class SimComm:
     def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         if weights is None:
             return x.mean(dim=0, keepdim=True).expand_as(x)
-        w = weights.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
+        w = on_device(weights, x.device).to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
         return ((x * w).sum(dim=0, keepdim=True) / w.sum()).expand_as(x)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,6 +108,9 @@ class SimComm:
                       overwrite: bool = False, segment_bytes: int = 0) -> torch.Tensor:
         if servers is not None:  # block j travels on the links of the worker that serves it
             up, down = up[:, servers], down[servers, :]
+        if x.device.type != "cpu":   # the masks (and weights) are drawn on the host: the average runs where x is
+            up, down = on_device(up, x.device), on_device(down, x.device)
+            weights = None if weights is None else on_device(weights, x.device)
         if segment_bytes:
             return self._segment_average(x, up, down, weights, overwrite, segment_bytes)
         w, dim = x.shape
@@ -122,6 +144,8 @@ class SimComm:
                                     out.stride(0) * out.element_size(), x.stride(0) * x.element_size())
             return out
         lost = ~down.T                                       # [workers, servers]: the average did not come back
+        if x.device.type != "cpu" or WHERE_ON_CPU:
+            return _take_where_delivered(out, x, avg, lost, groups)
         kept = []   # the blocks whose average was lost, copied before ``out`` is written
         for first, last, start, size in groups:
             blocks = x[:, start:start + (last - first) * size].view(w, last - first, size)
