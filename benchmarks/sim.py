@@ -288,12 +288,17 @@ def profile_round(case: str, workers: int, batch: int, rounds: int = 5, row_limi
     for _ in range(2):
         a()
         c()
+    cuda = DEVICE.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     for name, fn in (("a", a), ("c", c)):
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        with profile(activities=activities, record_shapes=False) as prof:
             for _ in range(rounds):
                 fn()
-        print(f"\nprofile of ({name}) {case} W={workers}, {rounds} rounds, CPU time by operator:")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit, max_name_column_width=45))
+            if cuda:
+                torch.cuda.synchronize()
+        print(f"\nprofile of ({name}) {case} W={workers}, {rounds} rounds, {'GPU' if cuda else 'CPU'} time by operator:")
+        print(prof.key_averages().table(sort_by=key, row_limit=row_limit, max_name_column_width=45))
 
 
 # ---------------------------------------------------------------------------------------------------------- memory

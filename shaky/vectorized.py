@@ -436,6 +436,19 @@ def _grouped_norm(h: torch.Tensor, gn: nn.GroupNorm, weight: torch.Tensor | None
                         None if bias is None else bias.reshape(-1), gn.eps)
 
 
+def _adaptive_avg_pool(h: torch.Tensor, size: Any) -> torch.Tensor:
+    """``F.adaptive_avg_pool{1,2}d(h, size)``; on a GPU, where every window has the same size, as the plain
+    average pool it then is: CUDA's adaptive pool has no deterministic backward (atomic adds), the plain one's
+    is deterministic. (The CPU keeps the adaptive pool, and so its numbers.)"""
+    two_d = h.dim() == 4
+    spatial = tuple(h.shape[2:])
+    out = (size, size) if two_d and isinstance(size, int) else (size,) if isinstance(size, int) else tuple(size)
+    if h.device.type != "cpu" and None not in out and all(n % o == 0 for n, o in zip(spatial, out)):
+        kernel = tuple(n // o for n, o in zip(spatial, out))
+        return F.avg_pool2d(h, kernel) if two_d else F.avg_pool1d(h, kernel)
+    return F.adaptive_avg_pool2d(h, size) if two_d else F.adaptive_avg_pool1d(h, size)
+
+
 def _pool_before_relu(mods: list[nn.Module]) -> list[nn.Module]:
     """``mods`` with every ReLU -> MaxPool pair swapped to MaxPool -> ReLU.
 
@@ -470,7 +483,9 @@ class _GroupedGrad(BatchedGradFn):
         # cores, AVX-512) every grouped 3x3 convolution of the CNN and ResNet-20 ran faster in it, and the
         # first ResNet convolution (3 channels per group) 11x faster with 2 threads. GroupNorm is slower in it
         # (about 1.6x at 32x32), which costs less than the convolutions gain.
-        self.channels_last = True if channels_last is None else channels_last
+        # On a GPU (the H100 of docs/performance.md) cuDNN's grouped convolutions of the CNN ran faster in NCHW.
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.channels_last = on_cpu if channels_last is None else channels_last
         if isinstance(model, ResNet):
             self.logits = self._resnet_logits
         else:
@@ -497,10 +512,8 @@ class _GroupedGrad(BatchedGradFn):
                 h = F.max_pool2d(h, mod.kernel_size, mod.stride, mod.padding, mod.dilation, mod.ceil_mode)
             elif isinstance(mod, nn.MaxPool1d):
                 h = F.max_pool1d(h, mod.kernel_size, mod.stride, mod.padding, mod.dilation, mod.ceil_mode)
-            elif isinstance(mod, nn.AdaptiveAvgPool2d):
-                h = F.adaptive_avg_pool2d(h, mod.output_size)
-            elif isinstance(mod, nn.AdaptiveAvgPool1d):
-                h = F.adaptive_avg_pool1d(h, mod.output_size)
+            elif isinstance(mod, nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool1d):
+                h = _adaptive_avg_pool(h, mod.output_size)
             elif isinstance(mod, nn.Flatten):
                 h = _unfold_features(h, w) if folded else h
                 folded = False

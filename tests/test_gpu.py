@@ -68,7 +68,7 @@ def test_replayed_trace_reproduces_the_run_exactly_on_cuda(tmp_run) -> None:
          strategy={"name": "rps"}),
 ], ids=["rps-failure-rejoin", "cnn-dts", "resnet20"])
 def test_the_same_config_gives_the_same_numbers_twice_on_cuda(overrides: dict, tmp_run) -> None:
-    cfg = make_config(steps=30, eval_every=10, **{"network": {"drop_rate": 0.2}, **overrides})
+    cfg = make_config(**{"steps": 30, "eval_every": 10, "network": {"drop_rate": 0.2}, **overrides})
     first, again = tmp_run(), tmp_run()
     run(cfg, first)
     run(cfg, again)
