@@ -228,6 +228,7 @@ FLAG_VALUES: dict[str, list[str]] = {
     "transport": ["bogus", "", "UDP", "udp"],
     "deadline_ms": ["0", "-1", "nan", "inf", "x", "1e400", "fast"],
     "key_file": ["nope", "key"],
+    "device": ["gpu", "", "CUDA", "cuda:", "cuda:-1", "cuda:9999", "cpu "],
 }
 
 # --set keys and values that are bad for them (TOML values, as typed after KEY=).
