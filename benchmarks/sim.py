@@ -72,6 +72,7 @@ from shaky.network.faults import Membership, Round  # noqa: E402
 from shaky.network.model import NetworkModel  # noqa: E402
 from shaky.strategies import REGISTRY, SGD  # noqa: E402
 from shaky.train import train_step  # noqa: E402
+import shaky.vectorized as vectorized  # noqa: E402
 from shaky.setup import deterministic_cuda, resolve_device  # noqa: E402
 from shaky.vectorized import _GroupedGrad, fast_path, generic_functions, make_functions, tune_allocator  # noqa: E402
 
@@ -508,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu (default), cuda or cuda:N: where every case runs (with shaky train's settings "
                              "for a GPU: deterministic algorithms); on a GPU there is no (d), and the default "
                              f"cases are {', '.join(f'{m} at W = {list(w)}' for m, w in CUDA_PLAN.items())}")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="on a GPU, run the conv nets' gradients eagerly instead of replaying a CUDA graph")
     args = parser.parse_args(argv)
 
     global CLOCK, DEVICE
@@ -519,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         deterministic_cuda()
         torch.cuda.set_device(DEVICE)
+        if args.no_cuda_graphs:
+            vectorized.CUDA_GRAPHS = False
         args.no_gloo = True
         if args.clock != "wall":
             parser.error("--clock cpu times the host alone; on a GPU use the wall clock")
@@ -538,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                              else ["mlp", "cnn1d", "cnn"])
     workers = args.workers or ([4, 16, 64] if not args.quick else [4, 16])
     threads = torch.get_num_threads()
-    gpu = f"{torch.cuda.get_device_name(DEVICE)} ({DEVICE}), " if cuda else ""
+    graphs = "conv gradients " + ("as CUDA graphs" if vectorized.CUDA_GRAPHS else "eager") + ", "
+    gpu = f"{torch.cuda.get_device_name(DEVICE)} ({DEVICE}), {graphs}" if cuda else ""
     print(f"shaky benchmarks/sim.py: {gpu}{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), "
           f"OMP_WAIT_POLICY {OMP_POLICY}, "

@@ -479,6 +479,7 @@ class _GroupedGrad(BatchedGradFn):
         self.model = model
         self.flat = flat
         self.index = _param_index(model, flat)
+        self._graphs: _GraphCache | None = None
         # Channels-last is the layout oneDNN's grouped convolutions are fast in: on the benchmark machine (2
         # cores, AVX-512) every grouped 3x3 convolution of the CNN and ResNet-20 ran faster in it, and the
         # first ResNet convolution (3 channels per group) 11x faster with 2 threads. GroupNorm is slower in it
@@ -545,6 +546,14 @@ class _GroupedGrad(BatchedGradFn):
 
     def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if params.is_cuda and CUDA_GRAPHS:
+            if self._graphs is None:
+                self._graphs = _GraphCache(self._eager)
+            return self._graphs(params, x, y, mask)
+        return self._eager(params, x, y, mask)
+
+    def _eager(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.enable_grad():
             leaf = params.detach().requires_grad_()
             logits = self.logits(_row_views(leaf, self.flat), x.to(params.dtype))
@@ -557,6 +566,61 @@ class _GroupedGrad(BatchedGradFn):
         with torch.no_grad():
             w = params.shape[0]
             return self.logits(_row_views(params.detach(), self.flat), x.to(params.dtype).expand(w, *x.shape))
+
+
+CUDA_GRAPHS = True
+"""Whether the conv nets' gradients on a GPU replay a CUDA graph (:class:`_GraphCache`); False: eager."""
+
+
+class _GraphCache:
+    """A gradient function on a GPU as CUDA graphs: one launch for the whole forward and backward.
+
+    A conv net's round is bound by the host on a GPU: hundreds of small kernels, each launched from Python
+    (docs/performance.md). For each shape of the inputs, the third call (the first two run eagerly, which
+    creates cuDNN's and cuBLAS's handles and workspaces) warms the function up on a side stream and captures
+    it; every later call copies its inputs into the graph's own, replays it and returns copies of its outputs.
+    The same kernels in the same order as the eager calls, so the same bits. At most ``MAX_GRAPHS`` shapes
+    are captured (each keeps its activations' memory); others run eagerly.
+    """
+
+    MAX_GRAPHS = 2
+
+    def __init__(self, fn: GradFn) -> None:
+        self.fn = fn
+        self.calls: dict[tuple[Any, ...], int] = {}
+        self.graphs: dict[tuple[Any, ...], tuple[torch.cuda.CUDAGraph, list[torch.Tensor],
+                                                 tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = (params, x, y, mask)
+        key = tuple((t.shape, t.dtype, t.device, t.stride()) for t in inputs)
+        found = self.graphs.get(key)
+        if found is None:
+            seen = self.calls[key] = self.calls.get(key, 0) + 1
+            if seen < 3 or len(self.graphs) >= self.MAX_GRAPHS:
+                return self.fn(*inputs)
+            found = self.graphs[key] = self._capture(inputs)
+        graph, static, out = found
+        for mine, given in zip(static, inputs):
+            mine.copy_(given)
+        graph.replay()
+        return out[0].clone(), out[1].clone()
+
+    def _capture(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor],
+                                                                  tuple[torch.Tensor, torch.Tensor]]:
+        static = [t.detach().clone() for t in inputs]
+        device = static[0].device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):   # warm-up on a side stream before capture, as PyTorch asks
+                self.fn(*static)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = self.fn(*static)
+        return graph, static, out
 
 
 def _is_basic_resnet(model: nn.Module) -> bool:

@@ -86,6 +86,34 @@ def test_a_cuda_run_keeps_its_tensors_on_the_gpu_and_its_checkpoint_on_the_host(
     assert load_checkpoint(out)["params"].device.type == "cpu"
 
 
+@pytest.mark.parametrize("model,shape", [("cnn", (784,)), ("cnn", (40,)), ("resnet20", (3, 32, 32))])
+def test_conv_gradients_replayed_from_a_cuda_graph_are_the_eager_bits(model: str, shape: tuple[int, ...],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conv nets' gradient function captures a CUDA graph at the third call of a shape and replays it after:
+    every call, with new parameters, data and masks each time, gives the eager path's bits."""
+    import shaky.vectorized as vectorized  # noqa: PLC0415
+    from shaky.models import FlatParams, build_model  # noqa: PLC0415
+
+    net = build_model(model, input_shape=shape, num_classes=10, seed=0).cuda()
+    flat = FlatParams(net)
+    graphed, _ = vectorized.make_functions(net, flat)
+    eager, _ = vectorized.make_functions(net, flat)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w, b = 4, 8
+    for call in range(6):
+        params = flat.flatten(net)[None].repeat(w, 1) + 0.01 * torch.randn(w, flat.dim, generator=gen, device="cuda")
+        x = torch.randn(w, b, *shape, generator=gen, device="cuda")
+        y = torch.randint(0, 10, (w, b), generator=gen, device="cuda")
+        mask = (torch.rand(w, b, generator=gen, device="cuda") < 0.8).float()
+        mask[:, 0] = 1.0
+        got = graphed(params, x, y, mask)
+        with monkeypatch.context() as m:
+            m.setattr(vectorized, "CUDA_GRAPHS", False)
+            want = eager(params, x, y, mask)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), call
+    assert len(graphed._graphs.graphs) == 1
+
+
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_a_cuda_run_ends_where_the_cpu_run_does(model: str, tmp_run, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same config on both devices: the same batches, masks and initial model, so the same training up to
