@@ -298,7 +298,8 @@ def profile_round(case: str, workers: int, batch: int, rounds: int = 5, row_limi
                 fn()
             if cuda:
                 torch.cuda.synchronize()
-        print(f"\nprofile of ({name}) {case} W={workers}, {rounds} rounds, {'GPU' if cuda else 'CPU'} time by operator:")
+        where = "GPU" if cuda else "CPU"
+        print(f"\nprofile of ({name}) {case} W={workers}, {rounds} rounds, {where} time by operator:")
         print(prof.key_averages().table(sort_by=key, row_limit=row_limit, max_name_column_width=45))
 
 
@@ -456,8 +457,8 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    cols = ["model", "W", "a ms", "a_grad", "a_step", "a_vmap", "a_alt", "b ms", "c ms", "d ms", "a/c", "b/a", "d/a",
-            "vmap/a", "alt/a", "a/c min", "b/a min", "peak MB", "GPU MB"]
+    cols = ["model", "W", "a ms", "a_grad", "a_step", "a_vmap", "a_alt", "b ms", "c ms", "d ms", "a/c", "b/a",
+            "d/a", "vmap/a", "alt/a", "a/c min", "b/a min", "peak MB", "GPU MB"]
     lines = [cols]
     for r in rows:
         a = r.get("a")

@@ -211,7 +211,7 @@ def deterministic_cuda() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def to_device(data: Dataset, device: torch.device) -> Dataset:
+def dataset_on(data: Dataset, device: torch.device) -> Dataset:
     """The data set's tensors moved to ``device`` once (the run then indexes its batches there)."""
     if device.type == "cpu":
         return data
@@ -238,7 +238,7 @@ def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = No
                        alpha=cfg.data.dirichlet_alpha)
     shards = assign_chunks(chunks, cfg.strategy.redundancy)
     _check_batches_fit(cfg, shards)
-    data = to_device(data, device)
+    data = dataset_on(data, device)
     model = build_model(cfg.model.name, input_shape=data.input_shape, num_classes=data.num_classes,
                         vocab_size=data.vocab_size, hidden=cfg.model.hidden, seed=cfg.seed).to(device, dtype)
     flat = FlatParams(model)

@@ -308,7 +308,8 @@ def _checkpoint(setup: Setup, run_dir: Path, comm: Comm, params: torch.Tensor, s
         save_trace(run_dir, masks.log.packed(), setup.cfg.num_workers)
     if writer:
         save_checkpoint(run_dir, {   # on the host: a checkpoint resumes on any device
-            "params": full_params.cpu(), "state": map_rows(full_state, lambda t: t.cpu()), "config": to_dict(setup.cfg), "clock": clock.state,
+            "params": full_params.cpu(), "state": map_rows(full_state, lambda t: t.cpu()),
+            "config": to_dict(setup.cfg), "clock": clock.state,
             "compute_ms": setup.compute_ms,
             "counters": {**vars(counters), "wall_time_s": counters.wall_time_s + time.perf_counter() - t_start}})
         if trace and not observed:

@@ -441,10 +441,9 @@ def _adaptive_avg_pool(h: torch.Tensor, size: Any) -> torch.Tensor:
     average pool it then is: CUDA's adaptive pool has no deterministic backward (atomic adds), the plain one's
     is deterministic. (The CPU keeps the adaptive pool, and so its numbers.)"""
     two_d = h.dim() == 4
-    spatial = tuple(h.shape[2:])
-    out = (size, size) if two_d and isinstance(size, int) else (size,) if isinstance(size, int) else tuple(size)
-    if h.device.type != "cpu" and None not in out and all(n % o == 0 for n, o in zip(spatial, out)):
-        kernel = tuple(n // o for n, o in zip(spatial, out))
+    out = (size,) * (h.dim() - 2) if isinstance(size, int) else tuple(size)
+    if h.device.type != "cpu" and None not in out and all(n % o == 0 for n, o in zip(h.shape[2:], out)):
+        kernel = tuple(n // o for n, o in zip(h.shape[2:], out))
         return F.avg_pool2d(h, kernel) if two_d else F.avg_pool1d(h, kernel)
     return F.adaptive_avg_pool2d(h, size) if two_d else F.adaptive_avg_pool1d(h, size)
 

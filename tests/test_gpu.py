@@ -130,7 +130,7 @@ def test_a_cuda_run_ends_where_the_cpu_run_does(model: str, tmp_run, monkeypatch
 
 
 @pytest.mark.parametrize("transport", ["gloo", "udp"])
-def test_torchrun_ranks_on_cuda_train_like_the_simulator(transport: str, tmp_path: Path) -> None:
+def test_torchrun_ranks_on_cuda_finish_and_gloo_s_end_where_the_simulator_does(transport: str, tmp_path: Path) -> None:
     """Two torchrun ranks on the GPU (the exchanges staged through pinned host memory) against the simulator on
     the GPU: gloo's run ends where the simulator's does; udp's (its losses are what arrives) finishes."""
     out = tmp_path / "torchrun"

@@ -135,6 +135,8 @@ class SimComm:
             avg[start:start + (last - first) * size] = torch.bmm(share[first:last], blocks.transpose(0, 1)).view(-1)
         # ... taken by every worker, except where it was lost: there it keeps its own block.
         out = x if overwrite and x.is_contiguous() else torch.empty_like(x)
+        if x.device.type != "cpu" or WHERE_ON_CPU:
+            return _take_where_delivered(out, x, avg, ~down.T, groups)
         if compiled and x.stride(1) == 1 and out.stride(1) == 1:
             # One pass in C, row by row and block by block (shaky_take_averages): copies only, so the bits of the
             # torch path below, without its nonzero, gather and scatter per group of blocks.
@@ -144,8 +146,6 @@ class SimComm:
                                     out.stride(0) * out.element_size(), x.stride(0) * x.element_size())
             return out
         lost = ~down.T                                       # [workers, servers]: the average did not come back
-        if x.device.type != "cpu" or WHERE_ON_CPU:
-            return _take_where_delivered(out, x, avg, lost, groups)
         kept = []   # the blocks whose average was lost, copied before ``out`` is written
         for first, last, start, size in groups:
             blocks = x[:, start:start + (last - first) * size].view(w, last - first, size)
