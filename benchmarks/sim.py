@@ -34,7 +34,7 @@ is the growth of the peak resident set of a fresh process while it runs two
 rounds of (a): ``VmHWM`` from /proc/self/status (the peak-RSS mark, reset just
 before the rounds through /proc/self/clear_refs) minus ``VmRSS`` just before.
 Inputs are random tensors of the datasets' shapes: timing does not depend on
-the values.
+the values (``--models lstm``: random token ids, right-padded to 32).
 """
 
 from __future__ import annotations
@@ -87,7 +87,10 @@ CASES: dict[str, tuple[str, tuple[int, ...], str]] = {
     "cnn1d": ("cnn", (40,), "mnist1d, Conv1d"),
     "resnet20": ("resnet20", (3, 32, 32), "CIFAR 3x32x32"),
     "resnet110": ("resnet110", (3, 32, 32), "CIFAR 3x32x32"),
+    "lstm": ("lstm", (32,), "text, 32 token ids, 2 to 32 real"),
 }
+VOCAB = 1000
+"""The lstm case's vocabulary (its token ids are drawn from 1 to VOCAB - 1; 0 pads)."""
 CUDA_PLAN: dict[str, tuple[int, ...]] = {"mlp": (16, 64, 256), "cnn": (16, 64, 256), "resnet20": (16, 64),
                                          "resnet110": (16,)}
 """--device cuda's default cases: each model at these W."""
@@ -110,10 +113,15 @@ def _setup(case: str, workers: int, batch: int, seed: int = 0, channels_last: bo
     weights and inputs) in channels-last memory format, the layout oneDNN runs fastest, for the baselines b, c
     and d."""
     name, shape, _ = CASES[case]
-    model = build_model(name, input_shape=shape, num_classes=NUM_CLASSES, seed=seed).to(DEVICE)
+    model = build_model(name, input_shape=shape, num_classes=NUM_CLASSES, vocab_size=VOCAB, seed=seed).to(DEVICE)
     flat = FlatParams(model)
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(workers, batch, *shape, generator=gen).to(DEVICE)
+    if name == "lstm":   # right-padded sentences of 2 to L tokens
+        ids = torch.randint(1, VOCAB, (workers, batch, *shape), generator=gen)
+        lengths = torch.randint(2, shape[0] + 1, (workers, batch, 1), generator=gen)
+        x = torch.where(torch.arange(shape[0]) < lengths, ids, 0).to(DEVICE)
+    else:
+        x = torch.randn(workers, batch, *shape, generator=gen).to(DEVICE)
     y = torch.randint(0, NUM_CLASSES, (workers, batch), generator=gen).to(DEVICE)
     image_shape = tuple(getattr(model, "shape", ()))
     if channels_last and len(image_shape) == 3:
@@ -483,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="mlp, cnn1d and cnn at W = 4 and 16 only, with shorter timing budgets")
-    parser.add_argument("--models", nargs="+", choices=list(CASES), default=None)
+    parser.add_argument("--models", nargs="+", choices=list(CASES), default=None,
+                        help="default: mlp cnn cnn1d resnet20 (on a GPU: mlp cnn resnet20 resnet110); lstm only "
+                             "when named")
     parser.add_argument("--workers", nargs="+", type=int, default=None)
     parser.add_argument("--batch", type=int, default=32, help="samples per worker")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for a/b/c (0: torch's default)")

@@ -18,8 +18,11 @@ at batch ``W * B`` costs (the limit on one machine, see ``docs/performance.md``)
   with ``W * num_groups`` groups, which are exactly each worker's own groups; the
   linear head is a batched matmul. Autograd runs once over this one graph, with
   the ``[W, D]`` parameter tensor as its only leaf.
-* anything else (``lstm``, or a model whose layout is not recognised) uses the
-  generic vmap path, so every model keeps working.
+* ``lstm``: the recurrence over ``[W, B, H]`` states, one ``bmm`` per gate
+  product for all workers, the input projection of every step at once and laid
+  out time-major; autograd once, over the ``[W, D]`` leaf.
+* anything else (a model whose layout is not recognised) uses the generic vmap
+  path, so every model keeps working.
 
 The numbers agree with the generic path to float rounding
 (``tests/test_vectorized.py``).
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from shaky.models import CNN, MLP, BasicBlock, FlatParams, LogReg, ResNet
+from shaky.models import CNN, MLP, BasicBlock, FlatParams, LogReg, LSTMClassifier, ResNet
 
 GradFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """``grad_fn(params [W, D], x [W, B, ...], y [W, B], mask [W, B]) -> (grads [W, D], losses [W])``.
@@ -139,11 +142,14 @@ class FusedGradFn(BatchedGradFn):
 
 
 def fast_path(model: nn.Module) -> str | None:
-    """Which specialised path :func:`make_functions` uses for ``model``: ``"linear"``, ``"grouped"`` or None."""
+    """Which specialised path :func:`make_functions` uses for ``model``: ``"linear"``, ``"grouped"``,
+    ``"recurrent"`` or None."""
     if _linear_chain(model) is not None:
         return "linear"
     if _is_basic_resnet(model) or _conv_layers(model) is not None:
         return "grouped"
+    if isinstance(model, LSTMClassifier):
+        return "recurrent"
     return None
 
 
@@ -622,6 +628,116 @@ class _GraphCache:
         return graph, static, out
 
 
+# --------------------------------------------------------------------------------------------------------------
+# lstm: every worker's recurrence as batched matmuls over [W, B, ...], autograd over one graph
+
+
+class _RecurrentGrad(BatchedGradFn):
+    """grad_fn for :class:`shaky.models.LSTMClassifier`: the model's forward over ``[W, B, ...]`` for every
+    worker at once, and its backward through time written out by hand.
+
+    Each step's gate product is one ``bmm`` for all workers. Autograd (or vmap) would also add every step's
+    ``[W, 4H, H]`` recurrent-weight gradient into the sum as it goes, L writes of W times a model's matrix;
+    here the backward keeps each step's gate gradients (``[W, L, B, 4H]``) and forms the weight gradients
+    after the loop, one ``bmm`` each over all L * B rows, as the input weights' already are. The same
+    operations per worker as the model's ``forward`` (the gates in the order i, f, g, o; padding steps carry
+    ``(h, c)`` forward), so the same numbers to float rounding (``tests/test_vectorized.py``).
+    """
+
+    def __init__(self, model: LSTMClassifier, flat: FlatParams) -> None:
+        self.model = model
+        self.flat = flat
+        index = _param_index(model, flat)
+        self._at = {name: index[id(param)] for name, param in (
+            ("embed", model.embed.weight), ("ih_w", model.ih.weight), ("ih_b", model.ih.bias),
+            ("hh_w", model.hh.weight), ("fc_w", model.fc.weight), ("fc_b", model.fc.bias))}
+
+    def _forward(self, p: list[torch.Tensor], x: torch.Tensor, keep: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``x [W, B, L]`` token ids -> (logits ``[W, B, C]``, what the backward pass needs if ``keep``)."""
+        at, hidden = self._at, self.model.hidden
+        w, b, length = x.shape
+        steps = x.transpose(1, 2)                                                # [W, L, B], time-major
+        rows = torch.arange(w, device=x.device).view(w, 1, 1)
+        emb = p[at["embed"]][rows, steps].reshape(w, length * b, -1)             # [W, L * B, E]
+        gates_x = torch.baddbmm(p[at["ih_b"]].unsqueeze(1), emb, p[at["ih_w"]].transpose(1, 2))
+        gates_x = gates_x.view(w, length, b, 4 * hidden)
+        real = (steps != 0).unsqueeze(-1)                                        # [W, L, B, 1]
+        hh = p[at["hh_w"]].transpose(1, 2)                                       # [W, H, 4H]
+        # Kept for the backward pass: each step's gate activations (sigmoid i, sigmoid f, tanh g, sigmoid o),
+        # tanh of the new cell, and the (h, c) it started from.
+        acts = gates_x.new_empty(w, length, b, 4 * hidden) if keep else None
+        tanh_c = gates_x.new_empty(w, length, b, hidden) if keep else None
+        h_in = gates_x.new_empty(w, length, b, hidden) if keep else None
+        c_in = gates_x.new_empty(w, length, b, hidden) if keep else None
+        h = gates_x.new_zeros(w, b, hidden)
+        c = h
+        two, three = 2 * hidden, 3 * hidden
+        for t in range(length):
+            pre = torch.baddbmm(gates_x[:, t], h, hh)
+            a = acts[:, t] if acts is not None else torch.empty_like(pre)
+            torch.sigmoid(pre[..., :two], out=a[..., :two])
+            torch.tanh(pre[..., two:three], out=a[..., two:three])
+            torch.sigmoid(pre[..., three:], out=a[..., three:])
+            c_new = a[..., hidden:two] * c + a[..., :hidden] * a[..., two:three]
+            tc = torch.tanh(c_new)
+            h_new = a[..., three:] * tc
+            if keep:
+                tanh_c[:, t] = tc
+                h_in[:, t] = h
+                c_in[:, t] = c
+            c = torch.where(real[:, t], c_new, c)
+            h = torch.where(real[:, t], h_new, h)
+        logits = _batched_linear(h, p[at["fc_w"]], p[at["fc_b"]])
+        saved = {"steps": steps, "emb": emb, "real": real, "acts": acts, "tanh_c": tanh_c, "h_in": h_in,
+                 "c_in": c_in, "h": h}
+        return logits, saved
+
+    def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            at, hidden = self._at, self.model.hidden
+            p = _row_views(params.detach(), self.flat)
+            logits, s = self._forward(p, x, keep=True)
+            losses, dlogits = _loss_and_dlogits(logits, y, mask)
+            w, length, b, _ = s["acts"].shape
+            grads = [torch.zeros_like(v) for v in p]
+            grads[at["fc_w"]] = torch.bmm(dlogits.transpose(1, 2), s["h"])
+            grads[at["fc_b"]] = dlogits.sum(dim=1)
+            dh = torch.bmm(dlogits, p[at["fc_w"]])                              # [W, B, H]
+            dc = torch.zeros_like(dh)
+            dgates = torch.empty_like(s["acts"])                                 # [W, L, B, 4H]
+            hh = p[at["hh_w"]]                                                   # [W, 4H, H]
+            two, three = 2 * hidden, 3 * hidden
+            for t in range(length - 1, -1, -1):
+                real, a, tc = s["real"][:, t], s["acts"][:, t], s["tanh_c"][:, t]
+                # h = where(real, h_new, h_in), and the same for c: the gradient goes to one of the two.
+                dh_new = torch.where(real, dh, 0.0)
+                dc_new = torch.where(real, dc, 0.0)
+                si, sf, tg, so = a[..., :hidden], a[..., hidden:two], a[..., two:three], a[..., three:]
+                dc_new = dc_new + dh_new * so * (1 - tc * tc)
+                g = dgates[:, t]
+                torch.mul(dc_new * tg, si * (1 - si), out=g[..., :hidden])
+                torch.mul(dc_new * s["c_in"][:, t], sf * (1 - sf), out=g[..., hidden:two])
+                torch.mul(dc_new * si, 1 - tg * tg, out=g[..., two:three])
+                torch.mul(dh_new * tc, so * (1 - so), out=g[..., three:])
+                dc = torch.where(real, 0.0, dc) + dc_new * sf
+                dh = torch.baddbmm(torch.where(real, 0.0, dh), g, hh)
+            flat_g = dgates.view(w, length * b, 4 * hidden)
+            grads[at["hh_w"]] = torch.bmm(flat_g.transpose(1, 2), s["h_in"].view(w, length * b, hidden))
+            grads[at["ih_w"]] = torch.bmm(flat_g.transpose(1, 2), s["emb"])
+            grads[at["ih_b"]] = flat_g.sum(dim=1)
+            demb = torch.bmm(flat_g, p[at["ih_w"]])                              # [W, L * B, E]
+            vocab = p[at["embed"]].shape[1]
+            token = (s["steps"].reshape(w, -1) + vocab * torch.arange(w, device=x.device).unsqueeze(1)).reshape(-1)
+            grads[at["embed"]] = grads[at["embed"]].view(w * vocab, -1).index_add_(
+                0, token, demb.reshape(w * length * b, -1)).view(w, vocab, -1)
+            return torch.cat([g.reshape(w, -1) for g in grads], dim=1), losses
+
+    def worker_logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            w = params.shape[0]
+            return self._forward(_row_views(params.detach(), self.flat), x.expand(w, *x.shape), keep=False)[0]
+
 def _is_basic_resnet(model: nn.Module) -> bool:
     return isinstance(model, ResNet) and all(isinstance(b, BasicBlock) for b in model.blocks)
 
@@ -632,6 +748,8 @@ def _build_fast(model: nn.Module, flat: FlatParams) -> GradFn | None:
         return _LinearChainGrad(model, flat, mods)
     if _is_basic_resnet(model) or _conv_layers(model) is not None:
         return _GroupedGrad(model, flat)
+    if isinstance(model, LSTMClassifier):
+        return _RecurrentGrad(model, flat)
     return None
 
 

@@ -66,8 +66,12 @@ def test_replayed_trace_reproduces_the_run_exactly_on_cuda(tmp_run) -> None:
     dict(model={"name": "cnn"}, strategy={"name": "dts", "delay": 3, "period": 2}),
     dict(model={"name": "resnet20"}, num_workers=2, batch_size=8, steps=6, eval_every=3,
          strategy={"name": "rps"}),
-], ids=["rps-failure-rejoin", "cnn-dts", "resnet20"])
-def test_the_same_config_gives_the_same_numbers_twice_on_cuda(overrides: dict, tmp_run) -> None:
+    dict(model={"name": "lstm", "hidden": 16}, data={"dataset": "text", "max_len": 8}, batch_size=8),
+], ids=["rps-failure-rejoin", "cnn-dts", "resnet20", "lstm"])
+def test_the_same_config_gives_the_same_numbers_twice_on_cuda(overrides: dict, tmp_run, tmp_path: Path) -> None:
+    if "data" in overrides:  # the text set, written here
+        overrides = {**overrides, "data": {**overrides["data"],
+                                           "path": str(test_train.write_text_set(tmp_path / "set.tsv"))}}
     cfg = make_config(**{"steps": 30, "eval_every": 10, "network": {"drop_rate": 0.2}, **overrides})
     first, again = tmp_run(), tmp_run()
     run(cfg, first)
@@ -114,15 +118,21 @@ def test_conv_gradients_replayed_from_a_cuda_graph_are_the_eager_bits(model: str
     assert len(graphed._graphs.graphs) == 1
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
-def test_a_cuda_run_ends_where_the_cpu_run_does(model: str, tmp_run, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("model", ["mlp", "cnn", "lstm"])
+def test_a_cuda_run_ends_where_the_cpu_run_does(model: str, tmp_run, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The same config on both devices: the same batches, masks and initial model, so the same training up to
     the order of the sums (cuDNN's and cuBLAS's kernels sum in another order than the CPU's)."""
-    cfg = make_config(steps=30, eval_every=10, model={"name": model}, network={"drop_rate": 0.1})
+    extra: dict = {"model": {"name": model}}
+    if model == "lstm":
+        text = test_train.write_text_set(tmp_path / "set.tsv")
+        extra = {"model": {"name": "lstm", "hidden": 16}, "batch_size": 8,
+                 "data": {"dataset": "text", "path": str(text), "max_len": 8}}
+    cfg = make_config(steps=30, eval_every=10, network={"drop_rate": 0.1}, **extra)
     gpu, gpu_params, gpu_rows = run(cfg, tmp_run())
     monkeypatch.setattr(conftest, "DEVICE", "cpu")
-    cpu, cpu_params, cpu_rows = run(make_config(steps=30, eval_every=10, model={"name": model},
-                                                network={"drop_rate": 0.1}), tmp_run())
+    cpu, cpu_params, cpu_rows = run(make_config(steps=30, eval_every=10, network={"drop_rate": 0.1}, **extra),
+                                    tmp_run())
     torch.testing.assert_close(gpu_params, cpu_params, atol=2e-3, rtol=2e-3)
     assert gpu["messages_dropped"] == cpu["messages_dropped"] and gpu["sim_time_s"] == cpu["sim_time_s"]
     for g, c in zip(gpu_rows, cpu_rows):

@@ -243,3 +243,32 @@ def test_the_compute_time_is_measured_once_per_machine(tmp_path, monkeypatch) ->
     monkeypatch.setattr(shaky.setup, "_measure", lambda setup: 7.5)
     assert prepare(cfg).compute_ms == 7.5
     assert list(json.loads(cache.read_text()).values()) == [7.5]
+
+
+def write_text_set(path, samples: int = 160, seed: int = 0):
+    """A two-class ``label<TAB>text`` file: each class's sentences draw from their own five words, of varying
+    lengths (so the lstm meets padding in every batch)."""
+    gen = np.random.default_rng(seed)
+    words = [["good", "fine", "great", "nice", "fair"], ["bad", "poor", "awful", "grim", "sad"]]
+    lines = []
+    for i in range(samples):
+        label = i % 2
+        lines.append(f"{['pos', 'neg'][label]}\t{' '.join(gen.choice(words[label], gen.integers(2, 9)))}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_an_lstm_learns_a_text_set_and_resumes_bit_identically(tmp_run, tmp_path) -> None:
+    """The lstm's batched path end to end (`shaky train --dataset text --model lstm`): it learns a separable set
+    over a lossy network, and a run stopped and resumed ends with the uninterrupted run's bits."""
+    text = write_text_set(tmp_path / "set.tsv")
+    cfg = make_config(steps=20, eval_every=10, checkpoint_every=10, batch_size=8,
+                      data={"dataset": "text", "path": str(text), "max_len": 8}, model={"name": "lstm", "hidden": 16},
+                      network={"drop_rate": 0.1}, optim={"lr": 0.5})
+    summary, params, _ = run(cfg, tmp_run())
+    assert summary["final_test_accuracy"] >= 0.9, summary
+    crashed = tmp_run()
+    with pytest.raises(InterruptedRun):
+        train(prepare(cfg), crashed, progress=False, faults=stop_at(15))
+    train(prepare(cfg), crashed, resume=True, progress=False)
+    assert torch.equal(load_checkpoint(crashed)["params"], params)

@@ -32,7 +32,7 @@ CASES: list[tuple[str, tuple[int, ...]]] = [
     ("resnet110", (1, 4, 4)),
     ("lstm", (12,)),
 ]
-EXPECTED_PATH = {"logreg": "linear", "mlp": "linear", "cnn": "grouped", "lstm": None}
+EXPECTED_PATH = {"logreg": "linear", "mlp": "linear", "cnn": "grouped", "lstm": "recurrent"}
 
 
 def test_cases_cover_every_model() -> None:
@@ -74,7 +74,7 @@ def test_fast_grads_match_generic(name: str, shape: tuple[int, ...]) -> None:
     assert fast_path(model) == EXPECTED_PATH.get(name, "grouped")
 
 
-@pytest.mark.parametrize(("name", "shape"), [("mlp", (64,)), ("cnn", (40,)), ("resnet20", (3, 8, 8))])
+@pytest.mark.parametrize(("name", "shape"), [("mlp", (64,)), ("cnn", (40,)), ("resnet20", (3, 8, 8)), ("lstm", (12,))])
 def test_float64_and_one_worker(name: str, shape: tuple[int, ...]) -> None:
     model, flat, params, x, y, mask = _setup(name, shape, workers=2, batch=4, dtype=torch.float64)
     want = generic_functions(model, flat)[0](params, x, y, mask)
