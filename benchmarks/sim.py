@@ -521,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                              "for a GPU: deterministic algorithms); on a GPU there is no (d), and the default "
                              f"cases are {', '.join(f'{m} at W = {list(w)}' for m, w in CUDA_PLAN.items())}")
     parser.add_argument("--no-cuda-graphs", action="store_true",
-                        help="on a GPU, run the conv nets' gradients eagerly instead of replaying a CUDA graph")
+                        help="on a GPU, run the conv nets' and the lstm's gradients eagerly instead of replaying a "
+                             "CUDA graph")
     args = parser.parse_args(argv)
 
     global CLOCK, DEVICE
@@ -554,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                              else ["mlp", "cnn1d", "cnn"])
     workers = args.workers or ([4, 16, 64] if not args.quick else [4, 16])
     threads = torch.get_num_threads()
-    graphs = "conv gradients " + ("as CUDA graphs" if vectorized.CUDA_GRAPHS else "eager") + ", "
+    graphs = "conv and lstm gradients " + ("as CUDA graphs" if vectorized.CUDA_GRAPHS else "eager") + ", "
     gpu = f"{torch.cuda.get_device_name(DEVICE)} ({DEVICE}), {graphs}" if cuda else ""
     print(f"shaky benchmarks/sim.py: {gpu}{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), "

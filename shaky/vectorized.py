@@ -114,6 +114,22 @@ class BatchedGradFn:
         """``params [W, D]``, ``x [N, ...]`` (the same samples for every worker) -> logits ``[W, N, C]``."""
         raise NotImplementedError
 
+    _graphs: _GraphCache | None = None
+
+    def _eager(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _graphed_or_eager(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                          mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_eager``, replayed from CUDA graphs on a GPU (:class:`_GraphCache`; ``CUDA_GRAPHS``): for the conv
+        nets and the lstm, whose rounds are hundreds of small kernels, host-bound there."""
+        if params.is_cuda and CUDA_GRAPHS:
+            if self._graphs is None:
+                self._graphs = _GraphCache(self._eager)
+            return self._graphs(params, x, y, mask)
+        return self._eager(params, x, y, mask)
+
 
 def worker_logits(grad_fn: Callable[..., Any], forward_fn: ForwardFn) -> Callable[[torch.Tensor, torch.Tensor],
                                                                                   torch.Tensor]:
@@ -484,7 +500,6 @@ class _GroupedGrad(BatchedGradFn):
         self.model = model
         self.flat = flat
         self.index = _param_index(model, flat)
-        self._graphs: _GraphCache | None = None
         # Channels-last is the layout oneDNN's grouped convolutions are fast in: on the benchmark machine (2
         # cores, AVX-512) every grouped 3x3 convolution of the CNN and ResNet-20 ran faster in it, and the
         # first ResNet convolution (3 channels per group) 11x faster with 2 threads. GroupNorm is slower in it
@@ -551,11 +566,7 @@ class _GroupedGrad(BatchedGradFn):
 
     def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if params.is_cuda and CUDA_GRAPHS:
-            if self._graphs is None:
-                self._graphs = _GraphCache(self._eager)
-            return self._graphs(params, x, y, mask)
-        return self._eager(params, x, y, mask)
+        return self._graphed_or_eager(params, x, y, mask)
 
     def _eager(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -580,8 +591,8 @@ CUDA_GRAPHS = True
 class _GraphCache:
     """A gradient function on a GPU as CUDA graphs: one launch for the whole forward and backward.
 
-    A conv net's round is bound by the host on a GPU: hundreds of small kernels, each launched from Python
-    (docs/performance.md). For each shape of the inputs, the third call (the first two run eagerly, which
+    A conv net's or the lstm's round is bound by the host on a GPU: hundreds of small kernels, each launched
+    from Python (docs/performance.md). For each shape of the inputs, the third call (the first two run eagerly, which
     creates cuDNN's and cuBLAS's handles and workspaces) warms the function up on a side stream and captures
     it; every later call copies its inputs into the graph's own, replays it and returns copies of its outputs.
     The same kernels in the same order as the eager calls, so the same bits. At most ``MAX_GRAPHS`` shapes
@@ -694,6 +705,10 @@ class _RecurrentGrad(BatchedGradFn):
 
     def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._graphed_or_eager(params, x, y, mask)
+
+    def _eager(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             at, hidden = self._at, self.model.hidden
             p = _row_views(params.detach(), self.flat)

@@ -90,15 +90,15 @@ def test_a_cuda_run_keeps_its_tensors_on_the_gpu_and_its_checkpoint_on_the_host(
     assert load_checkpoint(out)["params"].device.type == "cpu"
 
 
-@pytest.mark.parametrize("model,shape", [("cnn", (784,)), ("cnn", (40,)), ("resnet20", (3, 32, 32))])
-def test_conv_gradients_replayed_from_a_cuda_graph_are_the_eager_bits(model: str, shape: tuple[int, ...],
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The conv nets' gradient function captures a CUDA graph at the third call of a shape and replays it after:
-    every call, with new parameters, data and masks each time, gives the eager path's bits."""
+@pytest.mark.parametrize("model,shape", [("cnn", (784,)), ("cnn", (40,)), ("resnet20", (3, 32, 32)), ("lstm", (12,))])
+def test_gradients_replayed_from_a_cuda_graph_are_the_eager_bits(model: str, shape: tuple[int, ...],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conv nets' and the lstm's gradient functions capture a CUDA graph at the third call of a shape and
+    replay it after: every call, with new parameters, data and masks each time, gives the eager path's bits."""
     import shaky.vectorized as vectorized  # noqa: PLC0415
     from shaky.models import FlatParams, build_model  # noqa: PLC0415
 
-    net = build_model(model, input_shape=shape, num_classes=10, seed=0).cuda()
+    net = build_model(model, input_shape=shape, num_classes=10, vocab_size=30, seed=0).cuda()
     flat = FlatParams(net)
     graphed, _ = vectorized.make_functions(net, flat)
     eager, _ = vectorized.make_functions(net, flat)
@@ -106,7 +106,12 @@ def test_conv_gradients_replayed_from_a_cuda_graph_are_the_eager_bits(model: str
     w, b = 4, 8
     for call in range(6):
         params = flat.flatten(net)[None].repeat(w, 1) + 0.01 * torch.randn(w, flat.dim, generator=gen, device="cuda")
-        x = torch.randn(w, b, *shape, generator=gen, device="cuda")
+        if model == "lstm":   # token ids, right-padded: 1 to 12 real
+            ids = torch.randint(1, 30, (w, b, *shape), generator=gen, device="cuda")
+            lengths = torch.randint(1, shape[0] + 1, (w, b, 1), generator=gen, device="cuda")
+            x = torch.where(torch.arange(shape[0], device="cuda") < lengths, ids, 0)
+        else:
+            x = torch.randn(w, b, *shape, generator=gen, device="cuda")
         y = torch.randint(0, 10, (w, b), generator=gen, device="cuda")
         mask = (torch.rand(w, b, generator=gen, device="cuda") < 0.8).float()
         mask[:, 0] = 1.0
