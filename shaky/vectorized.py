@@ -748,10 +748,17 @@ class _RecurrentGrad(BatchedGradFn):
                 0, token, demb.reshape(w * length * b, -1)).view(w, vocab, -1)
             return torch.cat([g.reshape(w, -1) for g in grads], dim=1), losses
 
+    EVAL_BYTES = 256 << 20
+    """At most this many bytes of input projections (``[W, n, L, 4H]``) at a time in :meth:`worker_logits`:
+    the evaluation hands it 2,048 test sentences at once, which at W = 64, L = 32 and H = 128 would be 8 GB."""
+
     def worker_logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            w = params.shape[0]
-            return self._forward(_row_views(params.detach(), self.flat), x.expand(w, *x.shape), keep=False)[0]
+            w, length = params.shape[0], x.shape[1]
+            p = _row_views(params.detach(), self.flat)
+            per_sample = w * length * 4 * self.model.hidden * params.element_size()
+            pieces = x.split(max(1, self.EVAL_BYTES // per_sample))
+            return torch.cat([self._forward(p, xs.expand(w, *xs.shape), keep=False)[0] for xs in pieces], dim=1)
 
 def _is_basic_resnet(model: nn.Module) -> bool:
     return isinstance(model, ResNet) and all(isinstance(b, BasicBlock) for b in model.blocks)

@@ -192,3 +192,15 @@ def test_the_linear_path_s_kept_views_and_sample_weights_follow_new_tensors_and_
     mask[0, 1:] = 0.0                          # the same mask object, changed in place
     check(params, mask)
     check(params, mask.clone())
+
+
+def test_lstm_worker_logits_in_pieces_are_the_logits_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lstm's per-worker evaluation runs its samples in pieces of at most EVAL_BYTES of input projections
+    (a chunk of 2,048 test sentences at W = 64 would need 8 GB at once): pieces of one sample give the
+    logits of one pass over them all."""
+    model, flat, params, x, _, _ = _setup("lstm", (12,), workers=3, batch=5)
+    grad_fn, forward_fn = make_functions(model, flat)
+    logits = worker_logits(grad_fn, forward_fn)
+    whole = logits(params, x[0])
+    monkeypatch.setattr(type(grad_fn), "EVAL_BYTES", 1)
+    torch.testing.assert_close(logits(params, x[0]), whole, rtol=1e-6, atol=1e-6)
