@@ -20,7 +20,8 @@ at batch ``W * B`` costs (the limit on one machine, see ``docs/performance.md``)
   the ``[W, D]`` parameter tensor as its only leaf.
 * ``lstm``: the recurrence over ``[W, B, H]`` states, one ``bmm`` per gate
   product for all workers, the input projection of every step at once and laid
-  out time-major; autograd once, over the ``[W, D]`` leaf.
+  out time-major; the backward through time written out by hand, each weight's
+  gradient one ``bmm`` over all steps.
 * anything else (a model whose layout is not recognised) uses the generic vmap
   path, so every model keeps working.
 
