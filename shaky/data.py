@@ -1,12 +1,15 @@
 """Data sets and their partition across workers.
 
-Every data set here is available offline: the small sklearn sets are bundled,
+Every data set here is available offline: the small sets scikit-learn bundles are read from its files,
 MNIST-1D is generated locally, and CIFAR-10 and the text set are read from a
 user-supplied path. All randomness (splits, shards) flows from a ``seed``.
 """
 
 from __future__ import annotations
 
+import csv
+import gzip
+import importlib.util
 import math
 import os
 import pickle
@@ -14,12 +17,11 @@ import random
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from sklearn import datasets as skdatasets
-from sklearn.model_selection import train_test_split
 
 DATASETS: tuple[str, ...] = ("digits", "iris", "wine", "breast_cancer", "mnist1d", "cifar10", "text")
 PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "label-skew")
@@ -33,12 +35,13 @@ which models fit); None for text, whose samples are ``max_len`` token ids."""
 PAD_ID = 0
 UNK_ID = 1
 
-_SKLEARN_LOADERS: dict[str, Callable[..., Any]] = {
-    "digits": skdatasets.load_digits,
-    "iris": skdatasets.load_iris,
-    "wine": skdatasets.load_wine,
-    "breast_cancer": skdatasets.load_breast_cancer,
+_SKLEARN_FILES: dict[str, str] = {
+    "digits": "digits.csv.gz",
+    "iris": "iris.csv",
+    "wine": "wine_data.csv",
+    "breast_cancer": "breast_cancer.csv",
 }
+"""The small sets scikit-learn bundles: their files in its package, read without importing it (see _bundled)."""
 _CIFAR_HINT = "a CIFAR-10 directory (data_batch_1..5, test_batch)"
 # Generating MNIST-1D takes a couple of seconds; one process does it once.
 _MNIST1D_CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -103,8 +106,8 @@ def load_dataset(
         raise TypeError(f"data.max_len must be an integer; got {max_len!r}")
     if max_len < 1:
         raise ValueError(f"data.max_len must be >= 1; got {max_len}")
-    if name in _SKLEARN_LOADERS:
-        x, y = _SKLEARN_LOADERS[name](return_X_y=True)
+    if name in _SKLEARN_FILES:
+        x, y = _bundled(name)
         return _dense(name, *_split(x, y, test_fraction, seed, stratify=True))
     if name == "mnist1d":
         x, y = _mnist1d()
@@ -222,27 +225,94 @@ def shard_summary(shards: list[np.ndarray], labels: np.ndarray, num_classes: int
 
 
 def _check_seed(seed: int) -> None:
-    # numpy and sklearn both reject negative seeds, with less helpful messages.
+    # numpy rejects negative seeds, with a less helpful message.
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed must be an integer; got {seed!r}")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32); got {seed}")
 
 
+def _bundled(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(x float64 [N, F], y int [N])`` of a set scikit-learn bundles, read from its package's data files as
+    ``sklearn.datasets.load_*(return_X_y=True)`` reads them (the same arrays; ``tests/test_data.py`` checks),
+    without importing scikit-learn: that import is 1.2 s of the start of every process that trains."""
+    spec = importlib.util.find_spec("sklearn")     # finds the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"data.dataset {name!r} is read from scikit-learn's bundled copy; scikit-learn is not "
+                         f"installed (pip install -e .)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / _SKLEARN_FILES[name]
+    if name == "digits":   # one row a sample: 64 pixels, then the digit
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            data = np.loadtxt(f, delimiter=",")
+        return data[:, :-1], data[:, -1].astype(int, copy=False)
+    with open(path, encoding="utf-8") as f:   # a header (samples, features, class names), then the rows
+        rows = csv.reader(f)
+        head = next(rows)
+        x = np.empty((int(head[0]), int(head[1])))
+        y = np.empty((int(head[0]),), dtype=int)
+        for i, row in enumerate(rows):
+            x[i] = np.asarray(row[:-1], dtype=np.float64)
+            y[i] = np.asarray(row[-1], dtype=int)
+    return x, y
+
+
 def _split(
     x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int, *, stratify: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Seeded train/test split; returns ``x_train, y_train, x_test, y_test``."""
-    try:
-        x_tr, x_te, y_tr, y_te = train_test_split(
-            x, y, test_size=test_fraction, random_state=seed, stratify=y if stratify else None
-        )
-    except ValueError as err:
-        # sklearn refuses e.g. a test split smaller than the number of classes.
-        raise ValueError(
-            f"data.test_fraction {test_fraction!r} cannot split {len(y)} samples: {err}"
-        ) from err
-    return x_tr, y_tr, x_te, y_te
+    """Seeded train/test split; returns ``x_train, y_train, x_test, y_test``.
+
+    scikit-learn's ``train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y or None)``,
+    written out (the same indices from the same draws of ``RandomState(seed)``; ``tests/test_data.py`` checks
+    it against scikit-learn), so that no run imports scikit-learn.
+    """
+    n = len(y)
+    n_test = math.ceil(test_fraction * n)
+    n_train = n - n_test
+
+    def refuse(reason: str) -> ValueError:
+        return ValueError(f"data.test_fraction {test_fraction!r} cannot split {n} samples: {reason}")
+
+    if n_train <= 0:
+        raise refuse(f"the train set would be empty ({n_test} test samples)")
+    rng = np.random.RandomState(seed)
+    if not stratify:
+        order = rng.permutation(n)
+        test, train = order[:n_test], order[n_test:]
+    else:
+        classes, y_index, counts = np.unique(y, return_inverse=True, return_counts=True)
+        if counts.min() < 2:
+            raise refuse(f"classes {classes[counts < 2].tolist()} have 1 sample; a stratified split needs 2")
+        if n_train < len(classes) or n_test < len(classes):
+            raise refuse(f"{n_train} train and {n_test} test samples cannot each hold all {len(classes)} classes")
+        members = np.split(np.argsort(y_index, kind="stable"), np.cumsum(counts)[:-1])
+        n_i = _approximate_mode(counts, n_train, rng)
+        t_i = _approximate_mode(counts - n_i, n_test, rng)
+        train_parts, test_parts = [], []
+        for i in range(len(classes)):
+            mine = members[i][rng.permutation(counts[i])]
+            train_parts.append(mine[:n_i[i]])
+            test_parts.append(mine[n_i[i]:n_i[i] + t_i[i]])
+        train = rng.permutation(np.concatenate(train_parts))
+        test = rng.permutation(np.concatenate(test_parts))
+    return x[train], y[train], x[test], y[test]
+
+
+def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of ``draws`` samples each class gives: its share, rounded down, and the rest one each to the
+    classes with the largest remainders (ties broken by ``rng``), as scikit-learn's stratified split does."""
+    continuous = counts / counts.sum() * draws
+    floored = np.floor(continuous)
+    need = int(draws - floored.sum())
+    if need > 0:
+        remainder = continuous - floored
+        for value in np.sort(np.unique(remainder))[::-1]:
+            (inds,) = np.where(remainder == value)
+            now = min(len(inds), need)
+            floored[rng.choice(inds, size=now, replace=False)] += 1
+            need -= now
+            if need == 0:
+                break
+    return floored.astype(int)
 
 
 def _standardize(train: np.ndarray, test: np.ndarray, axis: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -385,7 +455,7 @@ def _load_text(path: str, seed: int, test_fraction: float, max_len: int) -> Data
     classes = tuple(sorted(set(names)))
     class_id = {c: i for i, c in enumerate(classes)}
     y = np.array([class_id[n] for n in names], dtype=np.int64)
-    # Stratify only where sklearn can: every class needs a sample on each side.
+    # Stratify only where the split can: every class needs a sample on each side.
     n_test = math.ceil(test_fraction * len(y))
     counts = np.bincount(y)
     stratify = counts.min() >= 2 and min(n_test, len(y) - n_test) >= len(classes)

@@ -257,3 +257,63 @@ def test_shard_summary_plain_types() -> None:
         {"worker": 1, "num_samples": 4, "class_counts": [0, 2, 2, 0]},
     ]
     assert all(type(c) is int for w in summary for c in w["class_counts"])
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_bundled_sets_are_what_scikit_learn_loads(name: str) -> None:
+    """shaky reads scikit-learn's bundled files itself (importing scikit-learn costs every process 1.2 s): the
+    same arrays as ``sklearn.datasets.load_*(return_X_y=True)``, dtypes included."""
+    from sklearn import datasets  # noqa: PLC0415
+
+    from shaky.data import _bundled  # noqa: PLC0415
+
+    want_x, want_y = getattr(datasets, f"load_{name}")(return_X_y=True)
+    x, y = _bundled(name)
+    assert x.dtype == want_x.dtype and y.dtype == want_y.dtype
+    np.testing.assert_array_equal(x, want_x)
+    np.testing.assert_array_equal(y, want_y)
+
+
+def test_the_split_is_scikit_learn_s_train_test_split() -> None:
+    """The written-out split takes the indices scikit-learn's ``train_test_split`` takes, stratified or not, for
+    many seeds and fractions and for class counts with ties (which its stratified split breaks at random), and
+    refuses what it refuses."""
+    from sklearn.model_selection import train_test_split  # noqa: PLC0415
+
+    from shaky.data import _bundled, _split  # noqa: PLC0415
+
+    digits_y = _bundled("digits")[1]
+    labels = {"digits": digits_y, "iris": _bundled("iris")[1], "ties": np.repeat(np.arange(7), [2, 3, 3, 5, 5, 9, 2]),
+              "two": np.array([0, 1] * 20 + [1] * 3), "skewed": np.sort(digits_y[:301] % 3)}
+    checked = refused = 0
+    for name, y in labels.items():
+        x = np.arange(len(y)) * 10
+        for fraction in (0.01, 0.1, 0.2, 0.25, 1 / 3, 0.5, 0.77, 0.95):
+            for seed in (0, 1, 7, 123, 2**32 - 1):
+                for stratify in (True, False):
+                    try:
+                        want = train_test_split(x, y, test_size=fraction, random_state=seed,
+                                                stratify=y if stratify else None)
+                    except ValueError:
+                        with pytest.raises(ValueError, match=r"^data\.test_fraction .* cannot split"):
+                            _split(x, y, fraction, seed, stratify=stratify)
+                        refused += 1
+                        continue
+                    x_tr, y_tr, x_te, y_te = _split(x, y, fraction, seed, stratify=stratify)
+                    for got, expected in zip((x_tr, x_te, y_tr, y_te), want, strict=True):
+                        np.testing.assert_array_equal(got, expected)
+                    checked += 1
+    assert checked > 300 and refused > 0, (checked, refused)
+
+
+def test_training_does_not_import_scikit_learn(tmp_path: Path) -> None:
+    """A run on a bundled set, in a fresh process, never imports scikit-learn (its import was a third of the
+    start of every process that trains)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = ("import sys; from shaky.cli import main; "
+            f"rc = main(['train', '--steps', '2', '--quiet', '--out', {str(tmp_path / 'run')!r}]); "
+            "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[-2] == "0 []", out.stdout[-2000:] + out.stderr[-2000:]
