@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -604,6 +605,7 @@ class _GraphCache:
 
     def __init__(self, fn: GradFn) -> None:
         self.fn = fn
+        self._stream: torch.cuda.Stream | None = None
         self.calls: dict[tuple[Any, ...], int] = {}
         self.graphs: dict[tuple[Any, ...], tuple[torch.cuda.CUDAGraph, list[torch.Tensor],
                                                  tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -628,15 +630,29 @@ class _GraphCache:
                                                                   tuple[torch.Tensor, torch.Tensor]]:
         static = [t.detach().clone() for t in inputs]
         device = static[0].device
-        side = torch.cuda.Stream(device)
+        # This cache's own stream, warmed up before the capture and captured on, not PyTorch's one default
+        # capture stream: cuBLAS keeps a workspace per handle and stream, and a graph that is destroyed clears
+        # the workspaces of the stream it was captured on. An old graph (of a finished run, freed by Python's
+        # cycle collector at any moment) then took the workspace of a capture in progress on the shared stream
+        # (CUBLAS_STATUS_EXECUTION_FAILED in the gpu tests). Collected before the capture, none is freed during it.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        side = self._stream
+        gc.collect()
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(2):   # warm-up on a side stream before capture, as PyTorch asks
+            for _ in range(2):   # warm-up on the capture stream before capture, as PyTorch asks
                 self.fn(*static)
-        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = self.fn(*static)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                out = self.fn(*static)
+        finally:
+            if collecting:
+                gc.enable()
+        torch.cuda.current_stream(device).wait_stream(side)
         return graph, static, out
 
 
