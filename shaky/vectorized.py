@@ -104,7 +104,7 @@ def make_functions(model: nn.Module, flat: FlatParams, *, compile: bool = False)
 
 
 class BatchedGradFn:
-    """A specialised gradient function (the linear and the grouped-convolution paths) that also computes every
+    """A specialised gradient function (the linear, grouped-convolution and recurrent paths) that also computes every
     worker's logits on one shared batch in one batched pass: the evaluation's per-worker test accuracy (see
     :func:`worker_logits`; against ``vmap`` over :data:`ForwardFn` 1.2x faster for the MLP, 2x for the CNN)."""
 
@@ -115,22 +115,6 @@ class BatchedGradFn:
     def worker_logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``params [W, D]``, ``x [N, ...]`` (the same samples for every worker) -> logits ``[W, N, C]``."""
         raise NotImplementedError
-
-    _graphs: _GraphCache | None = None
-
-    def _eager(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def _graphed_or_eager(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                          mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_eager``, replayed from CUDA graphs on a GPU (:class:`_GraphCache`; ``CUDA_GRAPHS``): for the conv
-        nets and the lstm, whose rounds are hundreds of small kernels, host-bound there."""
-        if params.is_cuda and CUDA_GRAPHS:
-            if self._graphs is None:
-                self._graphs = _GraphCache(self._eager)
-            return self._graphs(params, x, y, mask)
-        return self._eager(params, x, y, mask)
 
 
 def worker_logits(grad_fn: Callable[..., Any], forward_fn: ForwardFn) -> Callable[[torch.Tensor, torch.Tensor],
@@ -156,6 +140,26 @@ class FusedGradFn(BatchedGradFn):
 
     def update_in_place(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
                         update: InPlaceUpdate) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _GraphedGradFn(BatchedGradFn):
+    """A gradient function whose rounds are hundreds of small kernels (the conv nets, the lstm): on a GPU, where
+    launching them from Python bounds the round, :meth:`_eager` is replayed from CUDA graphs (:class:`_GraphCache`;
+    ``CUDA_GRAPHS``); elsewhere it runs as it is."""
+
+    _graphs: _GraphCache | None = None
+
+    def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if params.is_cuda and CUDA_GRAPHS:
+            if self._graphs is None:
+                self._graphs = _GraphCache(self._eager)
+            return self._graphs(params, x, y, mask)
+        return self._eager(params, x, y, mask)
+
+    def _eager(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 
@@ -495,7 +499,7 @@ def _pad_channels(h: torch.Tensor, w: int, extra: int) -> torch.Tensor:
     return F.pad(nhwc, (half, extra - half)).reshape(b, height, width, -1).permute(0, 3, 1, 2)
 
 
-class _GroupedGrad(BatchedGradFn):
+class _GroupedGrad(_GraphedGradFn):
     """grad_fn for convolutional nets: one folded forward graph, autograd with ``[W, D]`` as the only leaf."""
 
     def __init__(self, model: nn.Module, flat: FlatParams, channels_last: bool | None = None) -> None:
@@ -566,10 +570,6 @@ class _GroupedGrad(BatchedGradFn):
         feats = h.mean(dim=(2, 3)).reshape(h.shape[0], w, -1).transpose(0, 1)
         return _batched_linear(feats, self._p(p, m.fc.weight), self._p(p, m.fc.bias))
 
-    def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._graphed_or_eager(params, x, y, mask)
-
     def _eager(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.enable_grad():
@@ -587,18 +587,19 @@ class _GroupedGrad(BatchedGradFn):
 
 
 CUDA_GRAPHS = True
-"""Whether the conv nets' gradients on a GPU replay a CUDA graph (:class:`_GraphCache`); False: eager."""
+"""Whether the conv nets' and the lstm's gradients on a GPU replay a CUDA graph (:class:`_GraphCache`); False:
+eager."""
 
 
 class _GraphCache:
     """A gradient function on a GPU as CUDA graphs: one launch for the whole forward and backward.
 
     A conv net's or the lstm's round is bound by the host on a GPU: hundreds of small kernels, each launched
-    from Python (docs/performance.md). For each shape of the inputs, the third call (the first two run eagerly, which
-    creates cuDNN's and cuBLAS's handles and workspaces) warms the function up on a side stream and captures
-    it; every later call copies its inputs into the graph's own, replays it and returns copies of its outputs.
-    The same kernels in the same order as the eager calls, so the same bits. At most ``MAX_GRAPHS`` shapes
-    are captured (each keeps its activations' memory); others run eagerly.
+    from Python (docs/performance.md). For each shape of the inputs, the third call (the first two run eagerly,
+    which creates cuDNN's and cuBLAS's handles and workspaces) warms the function up on the cache's own stream
+    and captures it there; every later call copies its inputs into the graph's own, replays it and returns
+    copies of its outputs. The same kernels in the same order as the eager calls, so the same bits. At most
+    ``MAX_GRAPHS`` shapes are captured (each keeps its activations' memory); others run eagerly.
     """
 
     MAX_GRAPHS = 2
@@ -657,10 +658,10 @@ class _GraphCache:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# lstm: every worker's recurrence as batched matmuls over [W, B, ...], autograd over one graph
+# lstm: every worker's recurrence as batched matmuls over [W, B, ...], the backward through time by hand
 
 
-class _RecurrentGrad(BatchedGradFn):
+class _RecurrentGrad(_GraphedGradFn):
     """grad_fn for :class:`shaky.models.LSTMClassifier`: the model's forward over ``[W, B, ...]`` for every
     worker at once, and its backward through time written out by hand.
 
@@ -720,10 +721,6 @@ class _RecurrentGrad(BatchedGradFn):
                  "c_in": c_in, "h": h}
         return logits, saved
 
-    def __call__(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._graphed_or_eager(params, x, y, mask)
-
     def _eager(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
@@ -732,7 +729,7 @@ class _RecurrentGrad(BatchedGradFn):
             logits, s = self._forward(p, x, keep=True)
             losses, dlogits = _loss_and_dlogits(logits, y, mask)
             w, length, b, _ = s["acts"].shape
-            grads = [torch.zeros_like(v) for v in p]
+            grads: list[torch.Tensor] = list(p)    # every entry replaced below
             grads[at["fc_w"]] = torch.bmm(dlogits.transpose(1, 2), s["h"])
             grads[at["fc_b"]] = dlogits.sum(dim=1)
             dh = torch.bmm(dlogits, p[at["fc_w"]])                              # [W, B, H]
@@ -761,7 +758,7 @@ class _RecurrentGrad(BatchedGradFn):
             demb = torch.bmm(flat_g, p[at["ih_w"]])                              # [W, L * B, E]
             vocab = p[at["embed"]].shape[1]
             token = (s["steps"].reshape(w, -1) + vocab * torch.arange(w, device=x.device).unsqueeze(1)).reshape(-1)
-            grads[at["embed"]] = grads[at["embed"]].view(w * vocab, -1).index_add_(
+            grads[at["embed"]] = torch.zeros_like(p[at["embed"]]).view(w * vocab, -1).index_add_(
                 0, token, demb.reshape(w * length * b, -1)).view(w, vocab, -1)
             return torch.cat([g.reshape(w, -1) for g in grads], dim=1), losses
 
@@ -776,6 +773,7 @@ class _RecurrentGrad(BatchedGradFn):
             per_sample = w * length * 4 * self.model.hidden * params.element_size()
             pieces = x.split(max(1, self.EVAL_BYTES // per_sample))
             return torch.cat([self._forward(p, xs.expand(w, *xs.shape), keep=False)[0] for xs in pieces], dim=1)
+
 
 def _is_basic_resnet(model: nn.Module) -> bool:
     return isinstance(model, ResNet) and all(isinstance(b, BasicBlock) for b in model.blocks)
