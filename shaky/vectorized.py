@@ -34,7 +34,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-from collections.abc import Callable, Sequence
+import warnings
+import weakref
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -591,6 +593,33 @@ CUDA_GRAPHS = True
 eager."""
 
 
+_CAPTURE_STREAMS: MutableMapping[tuple[int, int], object] = weakref.WeakValueDictionary()
+"""The capture stream of every live :class:`_GraphCache`, by (device index, stream handle)."""
+
+POOL_DRAWS = 32
+"""How many streams :func:`_own_stream` draws before it gives up: PyTorch's pool hands out 32 streams of a
+priority per device, round and round."""
+
+
+def _own_stream(owner: object, draw: Callable[[], Any], held: MutableMapping[tuple[int, int], object],
+                tries: int = POOL_DRAWS) -> Any | None:
+    """A stream from ``draw`` that no other live owner in ``held`` has, now ``owner``'s; None when every one
+    drawn is taken.
+
+    ``torch.cuda.Stream()`` does not make a new stream: it takes the next of a pool of 32, so two graph caches
+    would share one once more than 32 had drawn one. A graph that is destroyed clears the cuBLAS workspaces of
+    the stream it was captured on (pytorch/pytorch#193402), which a live graph captured on the same stream still
+    writes to: its replay would write into freed memory. ``held`` forgets an owner when it is freed.
+    """
+    for _ in range(tries):
+        stream = draw()
+        key = (stream.device_index, stream.cuda_stream)
+        if held.get(key) is None:
+            held[key] = owner
+            return stream
+    return None
+
+
 class _GraphCache:
     """A gradient function on a GPU as CUDA graphs: one launch for the whole forward and backward.
 
@@ -599,7 +628,9 @@ class _GraphCache:
     which creates cuDNN's and cuBLAS's handles and workspaces) warms the function up on the cache's own stream
     and captures it there; every later call copies its inputs into the graph's own, replays it and returns
     copies of its outputs. The same kernels in the same order as the eager calls, so the same bits. At most
-    ``MAX_GRAPHS`` shapes are captured (each keeps its activations' memory); others run eagerly.
+    ``MAX_GRAPHS`` shapes are captured (each keeps its activations' memory; none is freed before the cache, so
+    none clears the workspace of another on the cache's stream); others run eagerly, and so does every shape
+    when no stream of PyTorch's pool is free of other live caches (:func:`_own_stream`; a warning says so).
     """
 
     MAX_GRAPHS = 2
@@ -607,6 +638,7 @@ class _GraphCache:
     def __init__(self, fn: GradFn) -> None:
         self.fn = fn
         self._stream: torch.cuda.Stream | None = None
+        self._eager_only = False
         self.calls: dict[tuple[Any, ...], int] = {}
         self.graphs: dict[tuple[Any, ...], tuple[torch.cuda.CUDAGraph, list[torch.Tensor],
                                                  tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -618,9 +650,12 @@ class _GraphCache:
         found = self.graphs.get(key)
         if found is None:
             seen = self.calls[key] = self.calls.get(key, 0) + 1
-            if seen < 3 or len(self.graphs) >= self.MAX_GRAPHS:
+            if seen < 3 or len(self.graphs) >= self.MAX_GRAPHS or self._eager_only:
                 return self.fn(*inputs)
-            found = self.graphs[key] = self._capture(inputs)
+            captured = self._capture(inputs)
+            if captured is None:
+                return self.fn(*inputs)
+            found = self.graphs[key] = captured
         graph, static, out = found
         for mine, given in zip(static, inputs):
             mine.copy_(given)
@@ -628,18 +663,24 @@ class _GraphCache:
         return out[0].clone(), out[1].clone()
 
     def _capture(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor],
-                                                                  tuple[torch.Tensor, torch.Tensor]]:
-        static = [t.detach().clone() for t in inputs]
-        device = static[0].device
-        # This cache's own stream, warmed up before the capture and captured on, not PyTorch's one default
-        # capture stream: cuBLAS keeps a workspace per handle and stream, and a graph that is destroyed clears
-        # the workspaces of the stream it was captured on. An old graph (of a finished run, freed by Python's
-        # cycle collector at any moment) then took the workspace of a capture in progress on the shared stream
-        # (CUBLAS_STATUS_EXECUTION_FAILED in the gpu tests). Collected before the capture, none is freed during it.
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        side = self._stream
+                                                                  tuple[torch.Tensor, torch.Tensor]] | None:
+        device = inputs[0].device
+        # Dead graphs (a finished run's, held by a reference cycle) are freed now, not by the cycle collector in
+        # the middle of this capture: a graph that is destroyed clears the cuBLAS workspaces of its capture
+        # stream (CUBLAS_STATUS_EXECUTION_FAILED in the gpu tests when every cache captured on PyTorch's one
+        # default capture stream). This cache's own stream, which no other live cache has, is warmed up and
+        # captured on.
         gc.collect()
+        if self._stream is None:
+            self._stream = _own_stream(self, lambda: torch.cuda.Stream(device), _CAPTURE_STREAMS)
+            if self._stream is None:
+                self._eager_only = True
+                warnings.warn(f"every stream of PyTorch's pool on {device} is held by another live graph cache: "
+                              "these gradients run without CUDA graphs (the same numbers, more slowly)",
+                              RuntimeWarning, stacklevel=3)
+                return None
+        static = [t.detach().clone() for t in inputs]
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):   # warm-up on the capture stream before capture, as PyTorch asks

@@ -204,3 +204,30 @@ def test_lstm_worker_logits_in_pieces_are_the_logits_at_once(monkeypatch: pytest
     whole = logits(params, x[0])
     monkeypatch.setattr(type(grad_fn), "EVAL_BYTES", 1)
     torch.testing.assert_close(logits(params, x[0]), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_no_two_live_graph_caches_capture_on_one_stream_of_a_wrapping_pool() -> None:
+    """PyTorch's stream pool hands out the same few streams round and round: a graph cache gets one that no other
+    live cache holds, a freed cache's stream can be had again, and with every one held there is none (eager)."""
+    import gc  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from shaky.vectorized import _own_stream  # noqa: PLC0415
+
+    pool = [SimpleNamespace(device_index=0, cuda_stream=handle) for handle in (11, 22, 33)]
+    drawn = iter(pool * 10)
+    held: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    class Owner:
+        pass
+
+    a, b, c = Owner(), Owner(), Owner()
+    assert [_own_stream(o, lambda: next(drawn), held, tries=3).cuda_stream for o in (a, b)] == [11, 22]
+    d = Owner()
+    assert _own_stream(d, lambda: next(drawn), held, tries=3).cuda_stream == 33   # the pool wraps after this
+    assert _own_stream(c, lambda: next(drawn), held, tries=3) is None             # 11, 22, 33: all held
+    del b
+    gc.collect()
+    assert _own_stream(c, lambda: next(drawn), held, tries=3).cuda_stream == 22   # b's, free again
+    assert sorted(held) == [(0, 11), (0, 22), (0, 33)] and held[(0, 22)] is c
