@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from shaky.comm.base import Comm, on_device
+from shaky.comm.base import Comm, Handle, on_device
 from shaky.comm.sim import SimComm
 from shaky.config import RunConfig, to_dict
 from shaky.data import shard_summary
@@ -55,7 +55,8 @@ def _rows_where(rows: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], to
 
 def train_step(grad_fn: Callable[..., Any], strategy: Strategy[Any], params: torch.Tensor, state: Any,
                x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, comm: Comm, rnd: Round, *,
-               need_grads: bool = False, marks: list[float] | None = None
+               need_grads: bool = False, marks: list[float] | None = None,
+               on_losses: Callable[[torch.Tensor], None] | None = None
                ) -> tuple[torch.Tensor, Any, StepStats, torch.Tensor, torch.Tensor | None]:
     """One step of every worker: gradients on the batch ``x, y, mask``, then ``strategy``'s update.
 
@@ -69,17 +70,23 @@ def train_step(grad_fn: Callable[..., Any], strategy: Strategy[Any], params: tor
 
     ``params`` is consumed: use the returned tensor. ``marks``, if given, gets the
     time after the gradients and after the rest of the step (the benchmark's split).
+    ``on_losses(losses)``, if given, is called as soon as the losses are known,
+    before the strategy's exchange (the loop starts the loss mean there).
     Returns ``(params, state, stats, losses, grads)``; ``grads`` is None on the fused path.
     """
     if not need_grads and rnd.members.all_live and can_fuse(grad_fn, strategy):
         apply, state = strategy.columns(params, state)  # type: ignore[attr-defined]
         losses = grad_fn.update_in_place(params, x, y, mask, apply)
         _mark(marks)
+        if on_losses is not None:
+            on_losses(losses)
         params, state, stats = strategy.after_local(params, state, comm, rnd)  # type: ignore[attr-defined]
         _mark(marks)
         return params, state, stats, losses, None
     grads, losses = grad_fn(params, x, y, mask)
     _mark(marks)
+    if on_losses is not None:
+        on_losses(losses)
     kept = grads.clone() if need_grads else None  # read before the step, which may reuse the buffer
     new_params, new_state, stats = strategy.step(params, grads, state, comm, rnd)
     if not rnd.members.all_live:  # a failed worker neither computes nor changes
@@ -159,9 +166,11 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
             params, state = _take_back(rnd.members, members.live(step - 1), comm, params, state)
         evaluating = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
         idx = on_device(sampler.indices(step), x_train.device)
-        params, state, stats, losses, grads = train_step(setup.grad_fn, strategy, params, state, _take(x_train, idx),
-                                                         _take(y_train, idx), batch_mask, comm, rnd,
-                                                         need_grads=evaluating)
+        live_weights = None if rnd.members.all_live else rnd.members.live.to(params.dtype)
+        loss = _LossAndStop(comm, live_weights, signals)
+        params, state, stats, _, grads = train_step(setup.grad_fn, strategy, params, state, _take(x_train, idx),
+                                                    _take(y_train, idx), batch_mask, comm, rnd,
+                                                    need_grads=evaluating, on_losses=loss.start)
         masks.record(step, rnd.links, stats, counters)
         masks.settle(comm, counters)
 
@@ -172,8 +181,7 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         counters.bytes_sent += stats.bytes_sent
         counters.messages_sent += stats.messages_sent
         counters.comm_rounds += 1 if stats.phases else 0
-        live_weights = None if rnd.members.all_live else rnd.members.live.to(params.dtype)
-        mean_loss, stop = _loss_and_stop(losses.detach(), live_weights, signals, comm)
+        mean_loss, stop = loss.wait()
         counters.train_loss_sum += mean_loss
         counters.train_loss_count += 1
         bar.advance()
@@ -235,21 +243,36 @@ def _take_back(joined: Membership, was_live: torch.Tensor, comm: Comm, params: t
     return synced(params), map_rejoined(state, synced, averaged(joined.restarted))
 
 
-def _loss_and_stop(losses: torch.Tensor, weights: torch.Tensor | None, signals: SignalWatch,
-                   comm: Comm) -> tuple[float, int | None]:
-    """The live workers' mean training loss of the step, and the signal that asks the run to stop after it,
+class _LossAndStop:
+    """The live workers' mean training loss of a step, and the signal that asks the run to stop after it,
     agreed by every rank (None: go on).
 
-    On the dist backend one mean carries both (one collective a step, not two): any rank's signal stops every
-    rank after the same step (a rank that received none reports SIGTERM). On the simulator, the loss mean as
-    ever and a local check.
+    On the dist backend one mean carries both, started as soon as the step's losses are known (``start``,
+    train_step's ``on_losses``), before the exchange completes, and deferred: with live membership it travels
+    in the records of the control round that gathers the exchange's masks, not in a round of its own (one
+    round a step for rps instead of two); on gloo it is an asynchronous all-reduce. Any rank's signal (as
+    received by then) stops every rank after the same step; a rank that received none reports SIGTERM. On the
+    simulator, the loss mean at ``wait`` and a local check.
     """
-    mine = signals.received or 0
-    if isinstance(comm, SimComm):
-        return float(comm.mean(losses[:, None], weights)[0, 0]), mine or None
-    flags = torch.full_like(losses[:, None], float(mine > 0))
-    both = comm.mean(torch.cat([losses[:, None], flags], dim=1), weights)
-    return float(both[0, 0]), (mine or int(signal.SIGTERM)) if float(both[0, 1]) > 0 else None
+
+    def __init__(self, comm: Comm, weights: torch.Tensor | None, signals: SignalWatch) -> None:
+        self.comm, self.weights, self.signals = comm, weights, signals
+        self._losses = torch.empty(0)
+        self._handle: Handle | None = None
+
+    def start(self, losses: torch.Tensor) -> None:
+        self._losses = losses.detach()[:, None]
+        if not isinstance(self.comm, SimComm):
+            flags = torch.full_like(self._losses, float(bool(self.signals.received)))
+            self._handle = self.comm.start_mean(torch.cat([self._losses, flags], dim=1), self.weights,
+                                                deferred=True)
+
+    def wait(self) -> tuple[float, int | None]:
+        mine = self.signals.received or 0
+        if self._handle is None:
+            return float(self.comm.mean(self._losses, self.weights)[0, 0]), mine or None
+        both = self._handle.wait()
+        return float(both[0, 0]), (mine or int(signal.SIGTERM)) if float(both[0, 1]) > 0 else None
 
 
 def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: _Masks, *, resume: bool,

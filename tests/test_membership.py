@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from shaky.cli import main
 from shaky.network.model import load_trace
 from shaky.rundir import load_checkpoint
 
@@ -216,3 +217,26 @@ def test_when_the_store_host_dies_every_rank_stops_with_one_line_and_the_run_res
         assert code == 0, err[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 120 and summary["live_workers"] == 4
+
+
+@pytest.mark.parametrize("strategy", ["rps", "local-sgd"])
+def test_a_step_costs_one_control_round(strategy: str, tmp_path: Path) -> None:
+    """With live membership the control plane is rounds through the rendezvous store, each a wait on it: a
+    step's loss mean travels in the round that gathers its exchange's masks (rps, an exchange every step), or
+    in one round of its own (local SGD's steps between averages, which exchange nothing): 20 more steps, 20 more
+    rounds. The carried loss is the right one: the simulator replaying the run's trace gets the same."""
+    rounds, losses = {}, {}
+    for steps in (10, 30):
+        run_dir = tmp_path / f"run{steps}"
+        args = ["--backend", "dist", "--transport", "udp", "--workers", "2", "--strategy", strategy, "--steps",
+                str(steps), "--eval-every", str(steps), "--quiet", "--out", str(run_dir)]
+        results = finish(launch_ranks(args, tmp_path, "", 2, env=ENV), timeout=120)
+        assert all(code == 0 for code, _ in results), results
+        summary = json.loads((run_dir / "summary.json").read_text())
+        rounds[steps], losses[steps] = summary["udp"]["control_rounds"], summary["final_train_loss"]
+    assert rounds[30] - rounds[10] == 20, rounds
+    real = tmp_path / "run30"
+    assert main(["train", "--config", str(real / "config.toml"), "--backend", "sim", "--transport", "gloo",
+                 "--replay-trace", str(real), "--quiet", "--out", str(tmp_path / "replay")]) == 0
+    replayed = json.loads((tmp_path / "replay" / "summary.json").read_text())["final_train_loss"]
+    assert losses[30] == pytest.approx(replayed, rel=1e-5), (losses, replayed)

@@ -162,6 +162,8 @@ class Comm(Protocol):
         """:meth:`block_average`, started: the handle's ``wait()`` gives its result."""
         ...
 
-    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> Handle:
-        """:meth:`mean`, started: the handle's ``wait()`` gives its result."""
+    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None, *, deferred: bool = False) -> Handle:
+        """:meth:`mean`, started: the handle's ``wait()`` gives its result. ``deferred``: nobody needs it before
+        the comm's next collective (a step's loss), so a comm whose collectives are rounds of records may carry
+        it in that round's instead of one of its own."""
         ...

@@ -84,6 +84,24 @@ class _InFlight:
         return self._value
 
 
+class _Carried:
+    """A mean that travels in the comm's next control round, in the records that round exchanges anyway (the
+    masks of an exchange), or in a round of its own if ``wait()`` comes first (:meth:`UdpDistComm.start_mean`
+    with ``deferred``)."""
+
+    def __init__(self, comm: UdpDistComm, x: torch.Tensor, weights: torch.Tensor | None) -> None:
+        self._comm, self.x, self.weights = comm, x.contiguous(), weights
+        self.payload = self.x.numpy().tobytes()
+        self.value: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            self._comm._carry_pending()
+        if self.value is None:  # _carry_pending resolves every pending mean
+            raise RuntimeError("a deferred mean was not carried by the control round")
+        return self.value
+
+
 class DistComm:
     """Comm for one worker per torch.distributed process (gloo on CPU, NCCL on GPU)."""
 
@@ -233,8 +251,10 @@ class DistComm:
         dist.all_reduce(total)
         return total / w.sum()
 
-    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> _Reduced:
-        """:meth:`mean` as gloo's asynchronous all-reduce: it runs while the caller goes on."""
+    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None, *,
+                   deferred: bool = False) -> _Reduced:
+        """:meth:`mean` as gloo's asynchronous all-reduce: it runs while the caller goes on (``deferred``, a
+        mean nobody needs soon, changes nothing here)."""
         if weights is None:
             total, denominator = x.clone(), float(self.num_workers)
         else:
@@ -678,6 +698,8 @@ class UdpDistComm(DistComm):
         self._changes: list[tuple[int, torch.Tensor]] = []
         self._filled: tuple[int, ...] = ()
         """The ranks that left no record in the last control round (dead)."""
+        self._pending: list[_Carried] = []
+        """Deferred means waiting for the next control round (:meth:`start_mean`)."""
         self.membership_log: list[dict[str, object]] = []
         """Each membership change: the step from which it holds, the live ranks, the ranks taken back, and how
         long the control round that agreed on it took (most of it waiting for the dead rank's heartbeat to go
@@ -902,11 +924,26 @@ class UdpDistComm(DistComm):
             dist.all_gather(parts, x.contiguous())
             return parts
         live_before, t0 = self._quorum.live, time.perf_counter()
-        records = self._quorum.round(x.contiguous().numpy().tobytes())
+        # The deferred means ride along: each rank's record is its x, then each pending mean's values, in the
+        # order they were started (the same on every rank, which starts them at the same points).
+        carried, self._pending = self._pending, []
+        own = x.contiguous().numpy().tobytes()
+        cuts = [0, len(own)]
+        for mean in carried:
+            cuts.append(cuts[-1] + len(mean.payload))
+        records = self._quorum.round(b"".join([own, *(mean.payload for mean in carried)]))
         if self._quorum.live != live_before:
             self._changed(self._quorum.live, {"step": self._step + 1, "live": list(self._quorum.live),
                                               "round_s": round(time.perf_counter() - t0, 3)})
-        got = {r: torch.frombuffer(bytearray(b), dtype=x.dtype).view(x.shape) for r, b in records.items()}
+        for r, record in records.items():
+            if len(record) != cuts[-1]:
+                raise RuntimeError(f"control round: rank {r}'s record has {len(record)} bytes where this rank's "
+                                   f"has {cuts[-1]} (the ranks' control calls differ)")
+        for k, mean in enumerate(carried, start=1):
+            parts = [_from_bytes(records[r][cuts[k]:cuts[k + 1]], mean.x) if r in records else
+                     torch.zeros_like(mean.x) for r in range(self.num_workers)]
+            mean.value = _live_mean(parts, self._quorum.live, mean.weights)
+        got = {r: _from_bytes(b[:cuts[1]], x) for r, b in records.items()}
         self._filled = tuple(r for r in range(self.num_workers) if r not in got)
         if not self._filled:
             return [got[r] for r in range(self.num_workers)]
@@ -925,18 +962,25 @@ class UdpDistComm(DistComm):
         if self._quorum is None:
             return super().mean(x, weights)
         parts = self._all_gather(x, fill=0)
-        live = list(self._quorum.live)
-        if weights is None:
-            total = sum(parts[r] for r in live)
-            return total / len(live)
-        w = weights.to(x.dtype)
-        total = sum(parts[r] * w[r] for r in live)
-        return total / w[live].sum()
+        return _live_mean(parts, self._quorum.live, weights)
 
-    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> Done:  # type: ignore[override]
+    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None, *,  # type: ignore[override]
+                   deferred: bool = False) -> Done | _Reduced | _Carried:
+        """:meth:`mean`, started. With live membership a mean is a control round: at once, or with
+        ``deferred`` in the next control round that any call makes (the masks of an exchange, say), in the
+        records that round exchanges anyway, so that it costs no round of its own; ``wait()`` makes one if
+        none came first. The live ranks are that round's."""
         if self._quorum is None:
             return super().start_mean(x, weights)
-        return Done(self.mean(x, weights))
+        if not deferred:
+            return Done(self.mean(x, weights))
+        mean = _Carried(self, x, weights)
+        self._pending.append(mean)
+        return mean
+
+    def _carry_pending(self) -> None:
+        """A control round for the deferred means alone."""
+        self._all_gather(torch.empty(0, dtype=torch.uint8), fill=0)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """All workers' rows; with live membership a dead rank's row is the mean of the live ones (what it would
@@ -996,6 +1040,8 @@ class UdpDistComm(DistComm):
         out["observed_loss"] = 1 - out["datagrams_received"] / expected if expected else 0.0
         if self._quorum is not None:
             out["membership_changes"] = [*(before or {}).get("membership_changes", []), *self.membership_log]
+            # Each is a wait on the rendezvous store (about five requests): what a step costs on a WAN.
+            out["control_rounds"] = int((before or {}).get("control_rounds", 0)) + self._quorum.seq
         return out
 
 
@@ -1058,3 +1104,19 @@ def broadcast_object(value: object) -> object:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _from_bytes(data: bytes, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s shape and dtype from its bytes (a copy)."""
+    if not data:
+        return torch.empty_like(like)
+    return torch.frombuffer(bytearray(data), dtype=like.dtype).view(like.shape)
+
+
+def _live_mean(parts: Sequence[torch.Tensor], live: Sequence[int], weights: torch.Tensor | None) -> torch.Tensor:
+    """The (``weights``-weighted) mean of the live ranks' ``parts``, added up in rank order."""
+    live = list(live)
+    if weights is None:
+        return sum(parts[r] for r in live) / len(live)   # type: ignore[return-value]
+    w = weights.to(parts[0].dtype)
+    return sum(parts[r] * w[r] for r in live) / w[live].sum()   # type: ignore[return-value]

@@ -71,7 +71,7 @@ class SimComm:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> Done:
+    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None, *, deferred: bool = False) -> Done:
         return Done(self.mean(x, weights))
 
     def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,

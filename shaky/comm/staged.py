@@ -53,8 +53,8 @@ class StagedComm:
     def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         return on_device(self.inner.mean(to_host(x), weights), x.device)
 
-    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> Handle:
-        return self._back(self.inner.start_mean(to_host(x), weights))
+    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None, *, deferred: bool = False) -> Handle:
+        return self._back(self.inner.start_mean(to_host(x), weights, deferred=deferred))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return on_device(self.inner.gather(to_host(x)), x.device)
