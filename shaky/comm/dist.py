@@ -45,6 +45,8 @@ from shaky.network.model import LinkSample
 
 HEARTBEAT_S = 0.25
 """How often each rank's heartbeat thread writes to the rendezvous store."""
+HEARTBEAT_JOIN_S = 10.0
+"""How long closing a comm waits for its heartbeat thread's store call in progress (TCP's retransmissions)."""
 
 
 class _Reduced:
@@ -131,8 +133,10 @@ class DistComm:
         """The heartbeat thread also notes when every other rank's heartbeat last moved (:meth:`silent_s`)."""
         self._beats_seen: dict[int, tuple[int, float]] = {}
         self._looked_at = 0.0
+        self._beater: threading.Thread | None = None
         if heartbeat:
-            threading.Thread(target=self._beat, name="shaky-heartbeat", daemon=True).start()
+            self._beater = threading.Thread(target=self._beat, name="shaky-heartbeat", daemon=True)
+            self._beater.start()
 
     def _beat(self) -> None:
         key = f"shaky/beat/{self.rank}"
@@ -166,6 +170,10 @@ class DistComm:
     def close(self) -> None:
         """Stops the heartbeat and the exchange thread (before the process group is destroyed)."""
         self._beating.set()
+        if self._beater is not None:
+            # Waited for: a daemon thread still inside a store call when the interpreter exits aborts the
+            # process ("terminate called without an active exception"), which a lossy network made likely.
+            self._beater.join(timeout=HEARTBEAT_JOIN_S)
         if self._data_thread is not None:
             self._data_thread.shutdown(wait=False, cancel_futures=True)
 
@@ -542,6 +550,21 @@ class _Quorum:
                 str(self.rank) not in store.get(self.live_key).decode().split(","):
             raise self._left_behind()
 
+    def leave(self) -> None:
+        """This rank's last use of the store. Rank 0, whose process may host the store, waits until every
+        other live rank says it is done with it (at most ``timeout_s``; a rank may have died since the last
+        round): a store that went first would take the others' last round with it, and with packet loss they
+        can be that far behind (they stopped with "rank 0 ... is gone" after a finished run)."""
+        try:
+            if self.rank != 0:
+                self._store.set(f"{self.prefix}/left/{self.rank}", "1")
+                return
+            others = [f"{self.prefix}/left/{r}" for r in self.live if r != self.rank]
+            if others:
+                self._store.wait(others, timedelta(seconds=self.timeout_s))
+        except RuntimeError:    # the store is gone, or a rank died after the last round: nothing to wait for
+            pass
+
     def round(self, record: bytes) -> dict[int, bytes]:
         """Posts this rank's ``record`` and returns the records of the round's commit, by rank."""
         store, key = self._store, f"{self.prefix}/{self._seq}"
@@ -749,6 +772,8 @@ class UdpDistComm(DistComm):
             pool.shutdown(wait=True, cancel_futures=True)
         for ex in self.exchanges:
             ex.close()
+        if self._quorum is not None:
+            self._quorum.leave()
 
     def on_step(self, step: int) -> None:
         super().on_step(step)
