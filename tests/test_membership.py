@@ -267,3 +267,74 @@ def test_with_every_packet_lossy_a_finished_run_ends_cleanly_on_every_rank(tmp_p
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert [code for code, _ in results] == [0] * WORKERS, [(code, err[-300:]) for code, err in results]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
+
+
+def test_the_store_connections_retransmit_after_milliseconds_and_no_other_socket_changes() -> None:
+    """shorten_store_retransmits sets TCP_RTO_MIN_US on the store's listening socket, on the connections it
+    accepted, and on its clients' (found by port), and on no other socket of the process: not on a TCP
+    connection to another port, not on a UDP socket of the same port number."""
+    import socket  # noqa: PLC0415
+    from datetime import timedelta  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from shaky.comm.dist import _TCP_RTO_MIN_US, STORE_RTO_MIN_MS, shorten_store_retransmits  # noqa: PLC0415
+
+    def rto_min_ms(sock: socket.socket) -> float:
+        return sock.getsockopt(socket.IPPROTO_TCP, _TCP_RTO_MIN_US) / 1000
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    before = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    with socket.create_server(("127.0.0.1", 0)) as other, socket.socket(type=socket.SOCK_DGRAM) as udp:
+        elsewhere = socket.create_connection(other.getsockname())
+        accepted, _ = other.accept()
+        try:
+            default = rto_min_ms(elsewhere)
+        except OSError:
+            pytest.skip("this kernel has no TCP_RTO_MIN_US (Linux 6.11 on)")
+        held = shorten_store_retransmits(port)
+        assert held is not None and STORE_RTO_MIN_MS <= held < default == 200.0, (held, default)
+        made_before = _sockets_on(port)     # the listener, and both ends of the master's client and of the other
+        assert len(made_before) >= 5 and set(made_before.values()) == {held}, made_before
+        after = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        after.set("k", "v")
+        # The store accepted it with the listener's minimum; the new client's own end is its own to set.
+        new = {ends: ms for ends, ms in _sockets_on(port).items() if ends not in made_before}
+        assert sorted(new.values()) == [held, default], new
+        assert {ms for (local, _), ms in new.items() if local == port} == {held}, new
+        assert shorten_store_retransmits(port) == held and set(_sockets_on(port).values()) == {held}
+        assert rto_min_ms(elsewhere) == rto_min_ms(accepted) == default
+        udp.bind(("127.0.0.1", port))      # a UDP socket on the store's port number is not the store's
+        assert shorten_store_retransmits(port) == held
+        elsewhere.close()
+        accepted.close()
+    del server, before, after
+
+
+def _sockets_on(port: int) -> dict[tuple[int, int | None], float]:
+    """Every TCP socket of this process to or from ``port``: (local port, remote port) -> TCP_RTO_MIN_US in ms."""
+    import os  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    from shaky.comm.dist import _TCP_RTO_MIN_US  # noqa: PLC0415
+
+    found = {}
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            if sock.type != socket.SOCK_STREAM:
+                continue
+            local = sock.getsockname()[1]
+            try:
+                remote = sock.getpeername()[1]
+            except OSError:
+                remote = None
+            if port in (local, remote):
+                found[(local, remote)] = sock.getsockopt(socket.IPPROTO_TCP, _TCP_RTO_MIN_US) / 1000
+    return found
