@@ -269,7 +269,7 @@ def test_with_every_packet_lossy_a_finished_run_ends_cleanly_on_every_rank(tmp_p
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
 
 
-def test_the_store_connections_retransmit_after_milliseconds_and_no_other_socket_changes() -> None:
+def test_the_store_sockets_get_a_minimum_retransmission_timeout_of_milliseconds_and_no_other_socket_does() -> None:
     """shorten_store_retransmits sets TCP_RTO_MIN_US on the store's listening socket, on the connections it
     accepted, and on its clients' (found by port), and on no other socket of the process: not on a TCP
     connection to another port, not on a UDP socket of the same port number."""
@@ -312,29 +312,18 @@ def test_the_store_connections_retransmit_after_milliseconds_and_no_other_socket
     del server, before, after
 
 
+
 def _sockets_on(port: int) -> dict[tuple[int, int | None], float]:
     """Every TCP socket of this process to or from ``port``: (local port, remote port) -> TCP_RTO_MIN_US in ms."""
-    import os  # noqa: PLC0415
     import socket  # noqa: PLC0415
 
-    from shaky.comm.dist import _TCP_RTO_MIN_US  # noqa: PLC0415
+    from shaky.comm.dist import _TCP_RTO_MIN_US, store_sockets  # noqa: PLC0415
 
     found = {}
-    for fd in map(int, os.listdir("/proc/self/fd")):
+    for sock in store_sockets(port):
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=os.dup(fd))
+            remote = sock.getpeername()[1]
         except OSError:
-            continue
-        with sock:
-            if sock.type != socket.SOCK_STREAM:
-                continue
-            local = sock.getsockname()[1]
-            try:
-                remote = sock.getpeername()[1]
-            except OSError:
-                remote = None
-            if port in (local, remote):
-                found[(local, remote)] = sock.getsockopt(socket.IPPROTO_TCP, _TCP_RTO_MIN_US) / 1000
+            remote = None
+        found[(sock.getsockname()[1], remote)] = sock.getsockopt(socket.IPPROTO_TCP, _TCP_RTO_MIN_US) / 1000
     return found

@@ -30,7 +30,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -121,10 +121,6 @@ class DistComm:
         else:
             self.rank, self.num_workers = dist.get_rank(), dist.get_world_size()
             self._store = rendezvous_store()
-        port = os.environ.get("MASTER_PORT", "")
-        self.store_rto_min_ms = shorten_store_retransmits(int(port)) if port.isdigit() else None
-        """TCP's minimum retransmission timeout on the rendezvous store's connections, in milliseconds (None:
-        the kernel's own, 200 ms; :func:`shorten_store_retransmits`)."""
         self.rows = torch.tensor([self.rank])
         self._buffers: dict[str, torch.Tensor] = {}
         self._data: dist.ProcessGroup | None = None
@@ -444,40 +440,45 @@ _TCP_RTO_MIN_US = 45
 """The socket option TCP_RTO_MIN_US (linux/tcp.h, Linux 6.11 on); an older kernel refuses it."""
 
 
-def shorten_store_retransmits(port: int) -> float | None:
-    """Sets :data:`STORE_RTO_MIN_MS` on every TCP socket of this process to or from ``port`` (the rendezvous
-    store's): its clients and, in the process that hosts it, the store's listening socket, which the
-    connections it accepts later inherit it from, and those it accepted so far. torch's TCPStore makes its
-    sockets out of reach, so they are found in /proc/self/fd. Returns the minimum the kernel now holds, in
-    milliseconds (it rounds up to its timer's tick), or None where the kernel or the system has no such
-    option: TCP's own 200 ms then applies, which only makes a lossy control plane slower."""
+def store_sockets(port: int) -> Iterator[socket.socket]:
+    """Every TCP socket of this process to or from ``port``, each a duplicate of its descriptor (an option set on
+    it is set on the socket itself), closed when the caller moves on. torch's TCPStore keeps its sockets to
+    itself, so they are found in /proc/self/fd (nothing where there is no /proc)."""
     try:
         fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:
-        return None
-    held: float | None = None
+        return
     for fd in fds:
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=os.dup(fd))     # the same socket: an option set here is set there
+            sock = socket.socket(fileno=os.dup(fd))
         except OSError:     # closed meanwhile, or not a socket Python knows
             continue
-        try:
+        with sock:
             if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
                 continue
-            local = sock.getsockname()[1]
             try:
-                remote = sock.getpeername()[1]
+                ends = (sock.getsockname()[1], sock.getpeername()[1])
             except OSError:     # a listening socket
-                remote = None
-            if port in (local, remote):
-                sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MIN_US, int(STORE_RTO_MIN_MS * 1000))
-                held = sock.getsockopt(socket.IPPROTO_TCP, _TCP_RTO_MIN_US) / 1000
+                ends = (sock.getsockname()[1], None)
+            if port in ends:
+                yield sock
+
+
+def shorten_store_retransmits(port: int) -> float | None:
+    """Sets :data:`STORE_RTO_MIN_MS` on every :func:`store_sockets` of ``port`` (the rendezvous store's): this
+    process's clients and, in the process that hosts the store, its listening socket, which the connections it
+    accepts later inherit it from, and those it accepted so far. Returns the minimum the kernel now holds, in
+    milliseconds (it rounds up to its timer's tick), or None where the kernel or the system has no such
+    option: TCP's own 200 ms then applies, which only makes a lossy control plane slower."""
+    held: float | None = None
+    for sock in store_sockets(port):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MIN_US, int(STORE_RTO_MIN_MS * 1000))
+            held = sock.getsockopt(socket.IPPROTO_TCP, _TCP_RTO_MIN_US) / 1000
         except OSError:     # no TCP_RTO_MIN_US in this kernel
             return None
-        finally:
-            sock.close()
     return held
 
 
@@ -556,7 +557,10 @@ class _Quorum:
             raise ValueError("live membership needs MASTER_ADDR and MASTER_PORT (the rendezvous store's address)")
         # A client of its own: its waits block it, and the heartbeat thread must never wait behind them.
         self._store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=store_timeout_s))
-        shorten_store_retransmits(int(port))
+        self.store_rto_min_ms = shorten_store_retransmits(int(port))
+        """TCP's minimum retransmission timeout on the rendezvous store's connections, in milliseconds (None:
+        the kernel's own, 200 ms). Set by the control plane, which a lossy network makes wait on it: a
+        DistComm without live membership (gloo, a user's RPSAverager) leaves the process's sockets alone."""
         self._sweeper = _Sweeper(host, int(port), store_timeout_s)
         self._swept: collections.deque[list[str]] = collections.deque()
         """The keys of each of the last rounds that this rank deletes once every survivor is past them."""
@@ -1167,7 +1171,7 @@ class UdpDistComm(DistComm):
             out["membership_changes"] = [*(before or {}).get("membership_changes", []), *self.membership_log]
             # Each is a wait on the rendezvous store (three requests): what a step costs on a WAN.
             out["control_rounds"] = int((before or {}).get("control_rounds", 0)) + self._quorum.seq
-            out["store_rto_min_ms"] = self.store_rto_min_ms     # this rank's (None: the kernel's 200 ms)
+            out["store_rto_min_ms"] = self._quorum.store_rto_min_ms     # this rank's (None: the kernel's 200 ms)
         return out
 
 
