@@ -398,7 +398,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     except (RuntimeError, dist.DistBackendError) as exc:
         found = comm.diagnose_failure(cfg.dist_timeout_s)
         who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
-               "rank 0, which hosts the rendezvous store, is gone")
+               "rank 0, which hosts the run's store, is gone")
         print(f"shaky: error: {who} (rank {comm.rank} saw: {' '.join(str(exc).split())[:100]}); "
               f"last checkpoint: {_checkpoint_note(run_dir)}", file=sys.stderr)
         return 3

@@ -211,7 +211,7 @@ def test_when_the_store_host_dies_every_rank_stops_with_one_line_and_the_run_res
     assert results[0][0] == -signal.SIGKILL
     for code, err in results[1:]:
         assert code == 3 and err.count("\n") == 1, err[-2000:]
-        assert "rank 0, which hosts the rendezvous store, is gone" in err and "at step 40" in err, err
+        assert "rank 0, which hosts the run's store, is gone" in err and "at step 40" in err, err
     resumed = _finish(_launch(["--resume", str(run_dir), "--quiet"], tmp_path, fault=""), timeout=180)
     for code, err in resumed:
         assert code == 0, err[-2000:]
@@ -245,7 +245,7 @@ def test_a_step_costs_one_control_round(strategy: str, tmp_path: Path) -> None:
 def test_with_every_packet_lossy_a_finished_run_ends_cleanly_on_every_rank(tmp_path: Path) -> None:
     """5% of every packet on the loopback dropped, the store's TCP included (a namespace of the test's own), and
     the store hosted by rank 0's process: every rank of a finished run exits 0. Rank 0 waits until the others
-    are done with the store (they stopped with "rank 0, which hosts the rendezvous store, is gone" when it left
+    are done with the store (they stopped with "rank 0, which hosts the run's store, is gone" when it left
     first), and no rank exits with its heartbeat thread inside a store call (that aborted it, SIGABRT)."""
     from test_udp import _real_loss_unavailable  # noqa: PLC0415
 
@@ -267,6 +267,35 @@ def test_with_every_packet_lossy_a_finished_run_ends_cleanly_on_every_rank(tmp_p
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert [code for code, _ in results] == [0] * WORKERS, [(code, err[-300:]) for code, err in results]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
+
+
+def test_under_an_agent_hosted_rendezvous_store_the_control_plane_makes_no_request_to_it(tmp_path: Path) -> None:
+    """torchrun's agent hosts the rendezvous store in a process shaky cannot tune (its answers wait TCP's 200 ms
+    after a loss): here the test hosts it, as the agent does (TORCHELASTIC_USE_AGENT_STORE). The control rounds
+    and the per-step progress marks go to the store rank 0 hosts (its address published in the rendezvous
+    store, on a port of its own): after the run the rendezvous store holds none of their keys."""
+    from datetime import timedelta  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    run_dir = tmp_path / "run"
+    steps = 12
+    args = ["--backend", "dist", "--transport", "udp", "--workers", "2", "--steps", str(steps), "--eval-every",
+            str(steps), "--quiet", "--out", str(run_dir)]
+    env = {**ENV, "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+    results = finish(launch_ranks(args, tmp_path, "", 2, env=env, port=port), timeout=120)
+    assert all(code == 0 for code, _ in results), results
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rounds = summary["udp"]["control_rounds"]
+    assert rounds >= steps, summary["udp"]
+    assert agent.check(["shaky/udp/1/control"])
+    status, host, control_port = agent.get("shaky/udp/1/control").decode().split(" ")
+    assert status == "ok" and host == "127.0.0.1" and int(control_port) != port
+    assert agent.check(["shaky/udp/1/addr/1", "shaky/beat/1"])          # what does belong there
+    for key in [f"shaky/udp/1/q/{n}/{r}" for n in range(rounds) for r in (0, 1)] + ["shaky/step/0", "shaky/step/1"]:
+        assert not agent.check([key]), key
 
 
 def test_the_store_sockets_get_a_minimum_retransmission_timeout_of_milliseconds_and_no_other_socket_does() -> None:

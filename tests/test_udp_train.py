@@ -163,6 +163,34 @@ def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+def test_no_free_tcp_port_for_the_control_store_is_one_line(tmp_path: Path) -> None:
+    """With live membership rank 0 also listens on the first free TCP port of dist.ports (the control plane's
+    store): where the range's UDP ports are free but its TCP ports are taken, one line names the range."""
+    for base in range(31200, 32200, 2):   # two ports free for UDP, whose TCP ports this test then takes
+        taken = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
+        try:
+            for port, sock in zip((base, base + 1), taken):
+                sock.bind(("127.0.0.1", port))
+                sock.listen(1)
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            for sock in taken:
+                sock.close()
+            continue
+        break
+    else:
+        pytest.skip("no two consecutive ports free here")
+    try:
+        line = _one_error(_torchrun_plain(tmp_path, "--transport", "udp", "--set", f'dist.ports="{base}-{base + 1}"',
+                                          "--set", 'dist.host="127.0.0.1"'))
+    finally:
+        for sock in taken:
+            sock.close()
+    assert "control plane's TCP port" in line and f"no free TCP port on 127.0.0.1 in ports {base}-{base + 1}" in line
+    assert "dist.ports" in line and not (tmp_path / "run").exists(), line
+
+
 AVERAGER_SCRIPT = r"""
 import sys
 import torch, torch.distributed as dist

@@ -12,8 +12,8 @@ the simulator, and both backends agree round by round.
 (``shaky.comm.udp``) instead: the loss is the network's, and the masks are what
 arrived, gathered from every rank after each exchange. The rest (exact means,
 checkpoints, evaluation, the deadline agreement) stays on gloo, or, with live
-membership (``shaky train``'s default on udp), goes through the rendezvous store
-in :class:`_Quorum` rounds: a rank that dies is left out and the survivors train
+membership (``shaky train``'s default on udp), goes through a store that rank 0
+hosts (:class:`_ControlStore`) in :class:`_Quorum` rounds: a rank that dies is left out and the survivors train
 on, and a process started again for it is taken back (:func:`run_in_progress`,
 :meth:`UdpDistComm.welcome`)."""
 
@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from shaky.comm.base import Done, block_sizes
-from shaky.comm.udp import AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, python_path_warning
+from shaky.comm.udp import (AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, bind_first_free,
+                            python_path_warning)
 from shaky.config import DistConfig
 from shaky.network.model import LinkSample
 
@@ -185,9 +186,14 @@ class DistComm:
             buf = self._buffers[name] = like.new_empty(size)
         return buf[:size]
 
+    @property
+    def _progress_store(self) -> dist.Store:
+        """Where :meth:`on_step` marks this rank's progress: the rendezvous store."""
+        return self._store
+
     def on_step(self, step: int) -> None:
-        """Marks this rank's progress in the rendezvous store, where survivors of a failure read it."""
-        self._store.set(f"shaky/step/{self.rank}", str(step))
+        """Marks this rank's progress in the store where survivors of a failure read it (a request a step)."""
+        self._progress_store.set(f"shaky/step/{self.rank}", str(step))
 
     def take_observed(self) -> list[tuple[int, LinkSample]]:
         """Nothing on gloo: the drawn masks are the ones that applied."""
@@ -237,7 +243,8 @@ class DistComm:
                 before = {r: self._store.add(f"shaky/beat/{r}", 0) for r in others}
                 time.sleep(4 * HEARTBEAT_S)
                 dead = [r for r in others if self._store.add(f"shaky/beat/{r}", 0) == before[r]]
-            steps = [int(self._store.get(f"shaky/step/{r}")) if self._store.check([f"shaky/step/{r}"]) else -1
+            marks = self._progress_store
+            steps = [int(marks.get(f"shaky/step/{r}")) if marks.check([f"shaky/step/{r}"]) else -1
                      for r in range(self.num_workers)]
             failed = min(dead or range(self.num_workers), key=lambda r: (steps[r], r))
             self._store.set(f"shaky/diagnosed/{self.rank}", "1")
@@ -433,7 +440,7 @@ def local_address() -> str:
 
 
 STORE_RTO_MIN_MS = 5.0
-"""TCP's minimum retransmission timeout on the rendezvous store's connections. Linux's own is 200 ms, far above
+"""TCP's minimum retransmission timeout on the control store's connections. Linux's own is 200 ms, far above
 the round trip of a network near enough to train over: with 5% of packets lost, a control request waited 31 ms
 on average (p90 207 ms) with it and 3.6 ms (p90 16 ms) with this (docs/transport.md)."""
 _TCP_RTO_MIN_US = 45
@@ -467,7 +474,7 @@ def store_sockets(port: int) -> Iterator[socket.socket]:
 
 
 def shorten_store_retransmits(port: int) -> float | None:
-    """Sets :data:`STORE_RTO_MIN_MS` on every :func:`store_sockets` of ``port`` (the rendezvous store's): this
+    """Sets :data:`STORE_RTO_MIN_MS` on every :func:`store_sockets` of ``port`` (the control store's): this
     process's clients and, in the process that hosts the store, its listening socket, which the connections it
     accepts later inherit it from, and those it accepted so far. Returns the minimum the kernel now holds, in
     milliseconds (it rounds up to its timer's tick), or None where the kernel or the system has no such
@@ -537,7 +544,7 @@ class LeftBehind(RuntimeError):
 
 
 class _Quorum:
-    """The udp transport's control plane when ranks may die: rounds of small records in the rendezvous store.
+    """The udp transport's control plane when ranks may die: rounds of small records in the control store.
 
     Every live rank writes its record of a round under a key of its own, with ``compare_set`` from empty: a
     key is written once. A rank waits for the other live ranks' keys, but only until the first of their ranks
@@ -551,17 +558,15 @@ class _Quorum:
     """
 
     def __init__(self, silent_s: Callable[[int], float], rank: int, num_workers: int, prefix: str, timeout_s: float,
-                 store_timeout_s: float) -> None:
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if not host or not port:
-            raise ValueError("live membership needs MASTER_ADDR and MASTER_PORT (the rendezvous store's address)")
+                 store_timeout_s: float, address: tuple[str, int]) -> None:
+        host, port = address      # the control store's (:class:`_ControlStore`)
         # A client of its own: its waits block it, and the heartbeat thread must never wait behind them.
-        self._store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=store_timeout_s))
-        self.store_rto_min_ms = shorten_store_retransmits(int(port))
-        """TCP's minimum retransmission timeout on the rendezvous store's connections, in milliseconds (None:
-        the kernel's own, 200 ms). Set by the control plane, which a lossy network makes wait on it: a
-        DistComm without live membership (gloo, a user's RPSAverager) leaves the process's sockets alone."""
-        self._sweeper = _Sweeper(host, int(port), store_timeout_s)
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=store_timeout_s))
+        self.store_rto_min_ms = shorten_store_retransmits(port)
+        """TCP's minimum retransmission timeout on the control store's connections, in milliseconds (None: the
+        kernel's own, 200 ms). Set by the control plane, which a lossy network makes wait on it: a DistComm
+        without live membership (gloo, a user's RPSAverager) leaves the process's sockets alone."""
+        self._sweeper = _Sweeper(host, port, store_timeout_s)
         self._swept: collections.deque[list[str]] = collections.deque()
         """The keys of each of the last rounds that this rank deletes once every survivor is past them."""
         self._silent_s = silent_s
@@ -611,7 +616,7 @@ class _Quorum:
             raise self._left_behind()
 
     def leave(self) -> None:
-        """This rank's last use of the store. Rank 0, whose process may host the store, waits until every
+        """This rank's last use of the store. Rank 0, whose process hosts the store, waits until every
         other live rank says it is done with it (at most ``timeout_s``; a rank may have died since the last
         round): a store that went first would take the others' last round with it, and with packet loss they
         can be that far behind (they stopped with "rank 0 ... is gone" after a finished run)."""
@@ -688,8 +693,52 @@ _RECORD, _DEAD = b"R", b"D"
 written once, with ``compare_set`` from empty: a record of no bytes is still not empty)."""
 
 
+class _ControlStore:
+    """Where the control plane's rounds (:class:`_Quorum`) are held: a TCPStore that rank 0 hosts in its own
+    process, on the first free TCP port of ``dist.ports`` at its address (``dist.host``). Every rank learns
+    the address from the rendezvous store (``key``), a process started again for a rank too.
+
+    Not the rendezvous store itself: torchrun's agent hosts that one, out of reach of shaky's processes, and
+    with packets lost its answers wait TCP's 200 ms minimum before they are sent again (shaky lowers it on the
+    sockets of its own processes only, :func:`shorten_store_retransmits`); 4 ranks, 5% of packets lost,
+    ``torchrun --standalone``: about 200 ms a step, against about 40 with the rounds in rank 0's process.
+    Rank 0 cannot move anyway (it writes the run directory), so hosting the rounds costs no survival.
+    """
+
+    def __init__(self, rendezvous: dist.Store, key: str, rank: int, host: str, ports: range, timeout_s: float,
+                 joining: bool) -> None:
+        self.timeout_s = timeout_s
+        self._server: dist.TCPStore | None = None
+        if rank == 0 and not joining:
+            listener = None
+            try:
+                listener = bind_first_free(host, ports, socket.SOCK_STREAM)
+                listener.listen(1024)
+                port = listener.getsockname()[1]
+                # The store serves on this socket (its address and port are the ones chosen here) and closes it.
+                self._server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                             master_listen_fd=listener.fileno(), timeout=timedelta(seconds=timeout_s))
+                listener.detach()
+                rendezvous.set(key, f"ok {host} {port}")
+            except (OSError, RuntimeError) as exc:
+                if listener is not None:
+                    listener.close()
+                rendezvous.set(key, f"error {' '.join(str(exc).split())[:200]}")
+        status, _, rest = rendezvous.get(key).decode().partition(" ")
+        if status != "ok":
+            raise ValueError(f"rank 0 cannot open the control plane's TCP port: {rest} (see dist.ports and "
+                             "dist.host)")
+        host, port = rest.rsplit(" ", 1)
+        self.address = (host, int(port))
+        """The control store's (host, port)."""
+
+    def close(self) -> None:
+        """Rank 0: stops serving (after every other live rank is done with it, :meth:`_Quorum.leave`)."""
+        self._server = None
+
+
 class _Sweeper:
-    """Deletes the keys of old control rounds from the rendezvous store, from a thread with a store client of
+    """Deletes the keys of old control rounds from the control store, from a thread with a store client of
     its own: a round's path makes no request for it, and a delete that TCP has to retransmit delays nothing."""
 
     def __init__(self, host: str, port: int, timeout_s: float) -> None:
@@ -731,7 +780,7 @@ class UdpDistComm(DistComm):
     over gloo afterwards (:attr:`observed`, in the simulator's [W, W, S] layout, for the run's trace).
     The same gather carries each rank's deadline proposal for the next round, so the ranks agree on it
     (the largest proposal) without another collective. Means, gathers and checkpoints stay on gloo, unless
-    ``heartbeat_timeout_s`` moves them, the masks included, to the rendezvous store (live membership).
+    ``heartbeat_timeout_s`` moves them, the masks included, to a store rank 0 hosts (live membership).
     """
 
     _instances = 0   # per process: every rank builds its comms in the same order, so the store keys agree
@@ -750,7 +799,8 @@ class UdpDistComm(DistComm):
         steps overlap each other as well as the compute (their latencies pipeline). ``latency_s``: the
         one-way latency to emulate towards each rank (``UdpExchange``'s delay line; None: none).
         ``heartbeat_timeout_s``: live membership (needs ``heartbeat``): the control plane (means, gathers, the
-        masks) goes through the rendezvous store in :class:`_Quorum` rounds instead of gloo, and a rank whose
+        masks) goes through :class:`_Quorum` rounds in a store rank 0 hosts (on the first free TCP port of
+        ``ports`` at its ``host``) instead of gloo, and a rank whose
         heartbeat stops for this long is left out: the survivors go on (:meth:`take_membership`). None: gloo,
         and a dead rank stops every rank, as on the gloo transport. ``joining``: this process was started again
         for a dead rank of a run in progress (needs ``heartbeat_timeout_s``): it asks the survivors to take it
@@ -797,6 +847,9 @@ class UdpDistComm(DistComm):
         """This rank's ends of the data plane, one per lane."""
         try:
             self._connect(fingerprint)       # a socket this rank could not open is an error entry of its own
+            self._control = None if heartbeat_timeout_s is None else _ControlStore(
+                store, f"{prefix}/control", me, address, ports or DEFAULT_PORTS,
+                (_world_timeout() if joining is None else self._store.timeout).total_seconds(), joining is not None)
         except ValueError:
             super().close()
             for ex in exchanges:
@@ -818,9 +871,8 @@ class UdpDistComm(DistComm):
         """The counters of the last exchange (this rank's)."""
         self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "closed_by_deadline": 0,
                         "repeated": 0, "grace_s": 0.0}
-        store_timeout_s = (_world_timeout() if joining is None else self._store.timeout).total_seconds()
-        self._quorum = None if heartbeat_timeout_s is None else _Quorum(
-            self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, store_timeout_s)
+        self._quorum = None if self._control is None else _Quorum(
+            self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, self._control.timeout_s, self._control.address)
         self.watching = self._quorum is not None
         self._changes: list[tuple[int, torch.Tensor]] = []
         self._filled: tuple[int, ...] = ()
@@ -878,6 +930,14 @@ class UdpDistComm(DistComm):
             ex.close()
         if self._quorum is not None:
             self._quorum.leave()
+        if self._control is not None:
+            self._control.close()
+
+    @property
+    def _progress_store(self) -> dist.Store:
+        """With live membership, the control store: a request a step to the rendezvous store, which torchrun's
+        agent may host, would wait out TCP's 200 ms after each lost answer (:class:`_ControlStore`)."""
+        return self._store if self._quorum is None else self._quorum.store
 
     def on_step(self, step: int) -> None:
         super().on_step(step)
@@ -946,7 +1006,7 @@ class UdpDistComm(DistComm):
         except NotTakenBack:
             raise
         except RuntimeError:     # the store went away with its host
-            raise NotTakenBack(f"rank {me} was not taken back: the run's rendezvous store is gone") from None
+            raise NotTakenBack(f"rank {me} was not taken back: the run's control store is gone") from None
         handed = torch.load(io.BytesIO(data), weights_only=False)
         control = handed["comm"]
         q.resume_at(control["seq"], control["live"])
@@ -1169,7 +1229,7 @@ class UdpDistComm(DistComm):
         out["observed_loss"] = 1 - out["datagrams_received"] / expected if expected else 0.0
         if self._quorum is not None:
             out["membership_changes"] = [*(before or {}).get("membership_changes", []), *self.membership_log]
-            # Each is a wait on the rendezvous store (three requests): what a step costs on a WAN.
+            # Each is a wait on the control store (three requests): what a step costs on a WAN.
             out["control_rounds"] = int((before or {}).get("control_rounds", 0)) + self._quorum.seq
             out["store_rto_min_ms"] = self._quorum.store_rto_min_ms     # this rank's (None: the kernel's 200 ms)
         return out

@@ -402,7 +402,7 @@ class UdpExchange:
         if self._ip == "0.0.0.0":
             raise ValueError("host must be the address the other ranks reach this one at, not a wildcard "
                              f"(got {host!r}): datagrams are accepted only from the peers' own addresses")
-        self.sock = _bind(self._ip, ports)
+        self.sock = bind_first_free(self._ip, ports)
         try:
             self._rcvbuf = _set_buffer(self.sock, socket.SO_RCVBUF, _SO_RCVBUFFORCE, options.buffer_bytes)
             self._sndbuf = _set_buffer(self.sock, socket.SO_SNDBUF, _SO_SNDBUFFORCE, options.buffer_bytes)
@@ -1365,9 +1365,14 @@ def _resolve(host: object, name: str) -> str:
         raise ValueError(f"{name} {host!r} does not resolve to an IPv4 address ({exc})") from None
 
 
-def _bind(ip: str, ports: range) -> socket.socket:
+def bind_first_free(ip: str, ports: range, kind: socket.SocketKind = socket.SOCK_DGRAM) -> socket.socket:
+    """A socket of ``kind`` (UDP, or TCP: SOCK_STREAM) bound on ``ip`` at the first free port of ``ports``.
+    Raises OSError naming the range when none is free, or naming ``ip`` when it is not this machine's."""
+    proto = "TCP" if kind == socket.SOCK_STREAM else "UDP"
     for port in ports:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock = socket.socket(socket.AF_INET, kind)
+        if kind == socket.SOCK_STREAM:   # a port whose last connection is in TIME_WAIT is free to listen on
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((ip, port))
             return sock
@@ -1375,9 +1380,9 @@ def _bind(ip: str, ports: range) -> socket.socket:
             sock.close()
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
                 continue
-            raise OSError(exc.errno, f"cannot bind UDP on {ip}: {exc.strerror}") from None
+            raise OSError(exc.errno, f"cannot bind {proto} on {ip}: {exc.strerror}") from None
     span = f"{ports.start}-{ports[-1]}" if ports.step == 1 else repr(ports)
-    raise OSError(errno.EADDRINUSE, f"no free UDP port on {ip} in ports {span} (all {len(ports)} in use)")
+    raise OSError(errno.EADDRINUSE, f"no free {proto} port on {ip} in ports {span} (all {len(ports)} in use)")
 
 
 def _set_buffer(sock: socket.socket, opt: int, force: int, nbytes: int) -> int:
