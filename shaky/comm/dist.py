@@ -553,7 +553,8 @@ class _Quorum:
     ``compare_set``. Either its record or the tombstone was written first, and every rank reads the same: each
     round ends with the same records and the same live set on every survivor (torchft's quorum, with a store
     key per rank in place of a lighthouse), and a rank that finds its own key tombstoned knows it was left
-    out. The common round is three store requests (the write, one ``wait``, one ``multi_get``); the old
+    out. The common round is two store requests, three round trips (the write, and one ``multi_get``, which waits
+    for the others' keys and then reads them); the old
     rounds' keys are deleted by a thread with a store client of its own, off the round's path.
     """
 
@@ -561,7 +562,8 @@ class _Quorum:
                  store_timeout_s: float, address: tuple[str, int]) -> None:
         host, port = address      # the control store's (:class:`_ControlStore`)
         # A client of its own: its waits block it, and the heartbeat thread must never wait behind them.
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=store_timeout_s))
+        self._store_timeout = timedelta(seconds=store_timeout_s)
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=self._store_timeout)
         self.store_rto_min_ms = shorten_store_retransmits(port)
         """TCP's minimum retransmission timeout on the control store's connections, in milliseconds (None: the
         kernel's own, 200 ms). Set by the control plane, which a lossy network makes wait on it: a DistComm
@@ -638,7 +640,8 @@ class _Quorum:
         self._seq += 1
         if store.compare_set(f"{key}/{self.rank}", "", _RECORD + record)[:1] != _RECORD:
             raise self._left_behind()       # the others declared this rank dead first
-        missing = [r for r in self.live if r != self.rank]
+        others = [r for r in self.live if r != self.rank]
+        missing, values = others, None      # values: the others' keys, read (in their order)
         replaced: set[int] = set()      # missing ranks for which a new process asks to be taken back
         while missing:
             # Wait for the records of the ranks whose heartbeat still moves, until the first of them would be
@@ -647,9 +650,12 @@ class _Quorum:
             if not pending:
                 break                               # every rank still missing is dead
             try:
-                until = max(0.05, min(self.timeout_s - self._silent_s(r) for r in pending))
-                store.wait([f"{key}/{r}" for r in pending], timedelta(seconds=until))
-                missing = [r for r in missing if r not in pending and not store.check([f"{key}/{r}"])]
+                until = timedelta(seconds=max(0.05, min(self.timeout_s - self._silent_s(r) for r in pending)))
+                if pending == others:   # the common round: a multi_get waits for its keys, then reads them
+                    values, missing = self._multi_get([f"{key}/{r}" for r in others], until), []
+                else:
+                    store.wait([f"{key}/{r}" for r in pending], until)
+                    missing = [r for r in missing if r not in pending and not store.check([f"{key}/{r}"])]
             except dist.DistStoreError:             # it ran out (the store itself raises other errors)
                 self._check_still_live()            # a rank woken after the others left it out
                 missing = [r for r in missing if not store.check([f"{key}/{r}"])]
@@ -659,9 +665,10 @@ class _Quorum:
             self._check_still_live()
         for r in missing:   # dead: unless its record came first (then the reply is the record, and it counts)
             store.compare_set(f"{key}/{r}", "", _DEAD)
-        others = [r for r in self.live if r != self.rank]
+        if values is None:
+            values = store.multi_get([f"{key}/{r}" for r in others]) if others else []
         records = {self.rank: record}
-        for r, value in zip(others, store.multi_get([f"{key}/{r}" for r in others]) if others else [], strict=True):
+        for r, value in zip(others, values, strict=True):
             if value[:1] == _RECORD:
                 records[r] = value[1:]
         included = tuple(sorted(records))
@@ -686,6 +693,17 @@ class _Quorum:
             self._sweeper.delete(self._swept.popleft())
         self.live = included
         return records
+
+
+    def _multi_get(self, keys: list[str], timeout: timedelta) -> list[bytes]:
+        """``keys``' values, waiting at most ``timeout`` for them to be written (DistStoreError when it runs out).
+        A multi_get waits for its keys before it reads them, with the client's timeout: a ``wait`` of its own
+        first would cost one more round trip to the store (a round is then three, not four)."""
+        self._store.set_timeout(timeout)
+        try:
+            return self._store.multi_get(keys)
+        finally:
+            self._store.set_timeout(self._store_timeout)
 
 
 _RECORD, _DEAD = b"R", b"D"
@@ -1229,7 +1247,7 @@ class UdpDistComm(DistComm):
         out["observed_loss"] = 1 - out["datagrams_received"] / expected if expected else 0.0
         if self._quorum is not None:
             out["membership_changes"] = [*(before or {}).get("membership_changes", []), *self.membership_log]
-            # Each is a wait on the control store (three requests): what a step costs on a WAN.
+            # Each is a wait on the control store (three round trips): what a step costs on a WAN.
             out["control_rounds"] = int((before or {}).get("control_rounds", 0)) + self._quorum.seq
             out["store_rto_min_ms"] = self._quorum.store_rto_min_ms     # this rank's (None: the kernel's 200 ms)
         return out
