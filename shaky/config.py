@@ -344,7 +344,7 @@ class DistConfig:
     send_rate_mbps: float = 0.0
     """udp: pace each rank's sending to this rate (0: unpaced)."""
     heartbeat_timeout_s: float = 3.0
-    """udp: a rank whose heartbeat (a thread beating every 0.25 s in the rendezvous store) stops for this long is
+    """udp: a rank whose heartbeat (a thread beating every 0.25 s in the control plane's store) stops for this long is
     declared dead, and the survivors train on without it (its blocks move to the next live rank)."""
     emulate_latency: bool = False
     """udp, for tests and benchmarks on one machine: hold every datagram for the network model's one-way latency

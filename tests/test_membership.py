@@ -271,9 +271,9 @@ def test_with_every_packet_lossy_a_finished_run_ends_cleanly_on_every_rank(tmp_p
 
 def test_under_an_agent_hosted_rendezvous_store_the_control_plane_makes_no_request_to_it(tmp_path: Path) -> None:
     """torchrun's agent hosts the rendezvous store in a process shaky cannot tune (its answers wait TCP's 200 ms
-    after a loss): here the test hosts it, as the agent does (TORCHELASTIC_USE_AGENT_STORE). The control rounds
-    and the per-step progress marks go to the store rank 0 hosts (its address published in the rendezvous
-    store, on a port of its own): after the run the rendezvous store holds none of their keys."""
+    after a loss): here the test hosts it, as the agent does (TORCHELASTIC_USE_AGENT_STORE). The control rounds,
+    the per-step progress marks and the heartbeats go to the store rank 0 hosts (its address published in the
+    rendezvous store, on a port of its own): after the run the rendezvous store holds none of their keys."""
     from datetime import timedelta  # noqa: PLC0415
 
     import torch.distributed as dist  # noqa: PLC0415
@@ -293,8 +293,9 @@ def test_under_an_agent_hosted_rendezvous_store_the_control_plane_makes_no_reque
     assert agent.check(["shaky/udp/1/control"])
     status, host, control_port = agent.get("shaky/udp/1/control").decode().split(" ")
     assert status == "ok" and host == "127.0.0.1" and int(control_port) != port
-    assert agent.check(["shaky/udp/1/addr/1", "shaky/beat/1"])          # what does belong there
-    for key in [f"shaky/udp/1/q/{n}/{r}" for n in range(rounds) for r in (0, 1)] + ["shaky/step/0", "shaky/step/1"]:
+    assert agent.check(["shaky/udp/1/addr/1", "shaky/run"])          # what does belong there
+    rounds_keys = [f"shaky/udp/1/q/{n}/{r}" for n in range(rounds) for r in (0, 1)]
+    for key in [*rounds_keys, "shaky/step/0", "shaky/step/1", "shaky/beat/0", "shaky/beat/1"]:
         assert not agent.check([key]), key
 
 

@@ -47,7 +47,8 @@ from shaky.network.model import LinkSample
 
 
 HEARTBEAT_S = 0.25
-"""How often each rank's heartbeat thread writes to the rendezvous store."""
+"""How often each rank's heartbeat thread writes to the rendezvous store (with live membership, the control
+store: :class:`_ControlStore`)."""
 HEARTBEAT_JOIN_S = 10.0
 """How long closing a comm waits for its heartbeat thread's store call in progress (TCP's retransmissions)."""
 
@@ -137,23 +138,32 @@ class DistComm:
         self._beats_seen: dict[int, tuple[int, float]] = {}
         self._looked_at = 0.0
         self._beater: threading.Thread | None = None
+        self._beat_store = self._store
+        """Where the heartbeats are (the rendezvous store; with live membership, the control store)."""
         if heartbeat:
-            self._beater = threading.Thread(target=self._beat, name="shaky-heartbeat", daemon=True)
-            self._beater.start()
+            self._start_heartbeat(self._store)
+
+    def _start_heartbeat(self, store: dist.Store) -> None:
+        """Beats in ``store`` from now on, from a thread (with a client of its own where a wait may block
+        another: a beat must never wait behind one)."""
+        self._heartbeat, self._beat_store = True, store
+        self._beater = threading.Thread(target=self._beat, name="shaky-heartbeat", daemon=True)
+        self._beater.start()
 
     def _beat(self) -> None:
         key = f"shaky/beat/{self.rank}"
         others = [r for r in range(self.num_workers) if r != self.rank]
+        store = self._beat_store
         while True:
             try:
-                self._store.add(key, 1)
+                store.add(key, 1)
                 if self.watching:     # live membership: when each other rank's heartbeat last moved
                     now = time.monotonic()
                     # A beat seen moving now moved after the last look: its silence counts from then, so a
                     # dead rank is found silent within the timeout of its last beat, not a look later.
                     before = self._looked_at or now
                     for r in others:
-                        beat = int(self._store.add(f"shaky/beat/{r}", 0))
+                        beat = int(store.add(f"shaky/beat/{r}", 0))
                         if self._beats_seen.get(r, (None,))[0] != beat:
                             self._beats_seen[r] = (beat, before)
                     self._looked_at = now
@@ -240,9 +250,10 @@ class DistComm:
             dead: list[int] = []
             if self._heartbeat:
                 others = [r for r in range(self.num_workers) if r != self.rank]
-                before = {r: self._store.add(f"shaky/beat/{r}", 0) for r in others}
+                beats = self._beat_store
+                before = {r: beats.add(f"shaky/beat/{r}", 0) for r in others}
                 time.sleep(4 * HEARTBEAT_S)
-                dead = [r for r in others if self._store.add(f"shaky/beat/{r}", 0) == before[r]]
+                dead = [r for r in others if beats.add(f"shaky/beat/{r}", 0) == before[r]]
             marks = self._progress_store
             steps = [int(marks.get(f"shaky/step/{r}")) if marks.check([f"shaky/step/{r}"]) else -1
                      for r in range(self.num_workers)]
@@ -830,7 +841,8 @@ class UdpDistComm(DistComm):
             raise ValueError(f"deadline_ms must be a positive number of milliseconds, got {deadline_ms!r}")
         if joining is not None and heartbeat_timeout_s is None:
             raise ValueError("a rank started again can join only with live membership (heartbeat_timeout_s)")
-        super().__init__(heartbeat=heartbeat, joining=joining)
+        # With live membership the heartbeat starts once the control store is up, and beats there.
+        super().__init__(heartbeat=heartbeat and heartbeat_timeout_s is None, joining=joining)
         UdpDistComm._instances += 1
         prefix = self._prefix = f"shaky/udp/{UdpDistComm._instances}"
         store, me, w = self._store, self.rank, self.num_workers
@@ -889,6 +901,9 @@ class UdpDistComm(DistComm):
         """The counters of the last exchange (this rank's)."""
         self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "closed_by_deadline": 0,
                         "repeated": 0, "grace_s": 0.0}
+        if self._control is not None:    # a client of its own: the quorum's blocks in its waits
+            self._start_heartbeat(dist.TCPStore(*self._control.address, is_master=False,
+                                                timeout=timedelta(seconds=self._control.timeout_s)))
         self._quorum = None if self._control is None else _Quorum(
             self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, self._control.timeout_s, self._control.address)
         self.watching = self._quorum is not None
