@@ -15,8 +15,8 @@ time is `shaky.train._loop`'s. Parts:
 * ``masks``: drawing the round's delivery masks (``NetworkModel.sample``); ``mask log``: keeping them for
   the trace, and counting the lost messages (``_Masks.record``);
 * ``sampler``: the step's mini-batch indices (``BatchSampler.indices``);
-* ``loss mean``: the mean training loss and the stop check (``_LossAndStop.wait``; the simulator's mean is
-  taken there);
+* ``loss mean``: taking in the means of the training loss that arrived, and the stop check
+  (``_LossMeans.take``; the simulator's mean itself is taken in the step, once the losses are known);
 * ``clock``: the simulated clock (``Clock.advance``);
 * ``rest``: the loop less all of the above (gathering the batch, the membership, the counters, progress).
 
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PARTS = [("step", "shaky.train", "train_step"), ("block average", "shaky.comm.sim", "SimComm.block_average"),
          ("evaluation", "shaky.train", "_Metrics.log"), ("masks", "shaky.network.model", "NetworkModel.sample"),
          ("mask log", "shaky.train", "_Masks.record"), ("sampler", "shaky.sampler", "BatchSampler.indices"),
-         ("loss mean", "shaky.train", "_LossAndStop.wait"), ("clock", "shaky.network.clock", "Clock.advance"),
+         ("loss mean", "shaky.train", "_LossMeans.take"), ("clock", "shaky.network.clock", "Clock.advance"),
          ("loop", "shaky.train", "_loop")]
 INSIDE = {"block average": "step"}
 

@@ -11,6 +11,7 @@ only the writer process (rank 0 in torch.distributed) writes.
 
 from __future__ import annotations
 
+import collections
 import math
 import signal
 import time
@@ -19,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from shaky.comm.base import Comm, Handle, on_device
+from shaky.comm.base import Comm, Done, Handle, MeanHandle, on_device
 from shaky.comm.sim import SimComm
 from shaky.config import RunConfig, to_dict
 from shaky.data import shard_summary
@@ -153,12 +154,16 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
     """The steps from ``counters.step`` to the end (or to a stop on a signal, which raises Stopped)."""
     cfg, strategy, rank, rows = setup.cfg, setup.strategy, getattr(comm, "rank", 0), comm.rows.tolist()
     x_train, y_train = setup.data.x_train, setup.data.y_train
+    losses = _LossMeans(comm, signals)
     while counters.step < cfg.steps:
         step = counters.step
         if faults is not None:  # before on_step: a rank that fails at step s never reports reaching it
             faults.check(step, rank)
         comm.on_step(step)
-        state = _welcome(comm.take_admitted(), comm, members, clock, masks, counters, state)
+        joiners = comm.take_admitted()
+        if joiners:     # they take part in the next control round: nothing of the survivors' may ride in it
+            losses.take(counters, settle=True)
+        state = _welcome(joiners, comm, members, clock, masks, counters, state)
         for at, live in comm.take_membership():   # a real transport's survivors left a dead rank out or took one back
             members.observe(at, live)
         rnd = Round(step, setup.network.sample(step), members.membership(step))
@@ -167,10 +172,11 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         evaluating = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
         idx = on_device(sampler.indices(step), x_train.device)
         live_weights = None if rnd.members.all_live else rnd.members.live.to(params.dtype)
-        loss = _LossAndStop(comm, live_weights, signals)
         params, state, stats, _, grads = train_step(setup.grad_fn, strategy, params, state, _take(x_train, idx),
                                                     _take(y_train, idx), batch_mask, comm, rnd,
-                                                    need_grads=evaluating, on_losses=loss.start)
+                                                    need_grads=evaluating,
+                                                    on_losses=lambda step_losses: losses.start(step_losses,
+                                                                                               live_weights))
         masks.record(step, rnd.links, stats, counters)
         masks.settle(comm, counters)
 
@@ -181,9 +187,8 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         counters.bytes_sent += stats.bytes_sent
         counters.messages_sent += stats.messages_sent
         counters.comm_rounds += 1 if stats.phases else 0
-        mean_loss, stop = loss.wait()
-        counters.train_loss_sum += mean_loss
-        counters.train_loss_count += 1
+        checkpointing = bool(cfg.checkpoint_every) and counters.step % cfg.checkpoint_every == 0
+        stop = losses.take(counters, settle=evaluating or checkpointing or counters.step == cfg.steps)
         bar.advance()
 
         if evaluating:
@@ -196,8 +201,9 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
                     metrics.summary(diverged=True, error=error).write(metrics.run_dir)
                 raise FloatingPointError(error)
         stop = stop if counters.step < cfg.steps else None
-        if stop is not None or (cfg.checkpoint_every and counters.step % cfg.checkpoint_every == 0
-                                and counters.step < cfg.steps):
+        if stop is not None:    # every pending mean is taken in before the checkpoint (its counters)
+            losses.take(counters, settle=True)
+        if stop is not None or (checkpointing and counters.step < cfg.steps):
             _checkpoint(setup, metrics.run_dir, comm, params, state, counters, clock, masks, metrics.writer,
                         metrics.t_start, trace=stop is not None, transport_before=metrics.transport_before)
         if stop is not None:
@@ -243,36 +249,51 @@ def _take_back(joined: Membership, was_live: torch.Tensor, comm: Comm, params: t
     return synced(params), map_rejoined(state, synced, averaged(joined.restarted))
 
 
-class _LossAndStop:
-    """The live workers' mean training loss of a step, and the signal that asks the run to stop after it,
-    agreed by every rank (None: go on).
+MAX_PENDING_LOSSES = 8
+"""Steps a training-loss mean (and the stop signal with it) may wait to be taken in before a round is made for it."""
 
-    On the dist backend one mean carries both, started as soon as the step's losses are known (``start``,
-    train_step's ``on_losses``), before the exchange completes, and deferred: with live membership it travels
-    in the records of the control round that gathers the exchange's masks, not in a round of its own (one
-    round a step for rps instead of two); on gloo it is an asynchronous all-reduce. Any rank's signal (as
-    received by then) stops every rank after the same step; a rank that received none reports SIGTERM. On the
-    simulator, the loss mean at ``wait`` and a local check.
+
+class _LossMeans:
+    """The live workers' mean training loss of each step, and the signal that asks the run to stop, agreed by
+    every rank: taken in by every rank at the same step.
+
+    A step's mean starts as soon as its losses are known (``start``, train_step's ``on_losses``), before the
+    exchange, with the step's weights and this rank's signal flag, and is taken in (:meth:`take`) once it has
+    arrived alike on every rank, without waiting for it: on the simulator at once; with live membership once a
+    control round carried it, in the records that round exchanges anyway (rps makes one every step, local SGD
+    at each average), so steps that exchange nothing make no round. It is waited for at the latest
+    :data:`MAX_PENDING_LOSSES` steps after it started, and at an evaluation, a checkpoint, the end, and before
+    ranks are taken back (``settle``): on gloo, where an all-reduce's completion is not alike on every rank,
+    only then. Any rank's signal in a mean taken in stops every rank after the same step; a rank that received
+    none reports SIGTERM. On the simulator the signal is this process's own, at every step.
     """
 
-    def __init__(self, comm: Comm, weights: torch.Tensor | None, signals: SignalWatch) -> None:
-        self.comm, self.weights, self.signals = comm, weights, signals
-        self._losses = torch.empty(0)
-        self._handle: Handle | None = None
+    def __init__(self, comm: Comm, signals: SignalWatch) -> None:
+        self.comm, self.signals = comm, signals
+        self._pending: collections.deque[MeanHandle] = collections.deque()
 
-    def start(self, losses: torch.Tensor) -> None:
-        self._losses = losses.detach()[:, None]
-        if not isinstance(self.comm, SimComm):
-            flags = torch.full_like(self._losses, float(bool(self.signals.received)))
-            self._handle = self.comm.start_mean(torch.cat([self._losses, flags], dim=1), self.weights,
-                                                deferred=True)
+    def start(self, losses: torch.Tensor, weights: torch.Tensor | None) -> None:
+        losses = losses.detach()[:, None]
+        if isinstance(self.comm, SimComm):
+            self._pending.append(Done(self.comm.mean(losses, weights)))
+            return
+        flags = torch.full_like(losses, float(bool(self.signals.received)))
+        self._pending.append(self.comm.start_mean(torch.cat([losses, flags], dim=1), weights, deferred=True))
 
-    def wait(self) -> tuple[float, int | None]:
-        mine = self.signals.received or 0
-        if self._handle is None:
-            return float(self.comm.mean(self._losses, self.weights)[0, 0]), mine or None
-        both = self._handle.wait()
-        return float(both[0, 0]), (mine or int(signal.SIGTERM)) if float(both[0, 1]) > 0 else None
+    def take(self, counters: Counters, *, settle: bool) -> int | None:
+        """Adds the means that are in (all of them with ``settle``, or where the oldest is
+        :data:`MAX_PENDING_LOSSES` steps old) to ``counters``; returns the agreed stop signal, or None."""
+        settle = settle or len(self._pending) >= MAX_PENDING_LOSSES
+        stop = None
+        while self._pending and (settle or self._pending[0].settled):
+            both = self._pending.popleft().wait()
+            counters.train_loss_sum += float(both[0, 0])
+            counters.train_loss_count += 1
+            if both.shape[1] > 1 and float(both[0, 1]) > 0:
+                stop = self.signals.received or int(signal.SIGTERM)
+        if isinstance(self.comm, SimComm) and self.signals.received:
+            stop = self.signals.received
+        return stop
 
 
 def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: _Masks, *, resume: bool,

@@ -219,22 +219,27 @@ def test_when_the_store_host_dies_every_rank_stops_with_one_line_and_the_run_res
     assert summary["steps"] == 120 and summary["live_workers"] == 4
 
 
-@pytest.mark.parametrize("strategy", ["rps", "local-sgd"])
-def test_a_step_costs_one_control_round(strategy: str, tmp_path: Path) -> None:
-    """With live membership the control plane is rounds through the rendezvous store, each a wait on it: a
-    step's loss mean travels in the round that gathers its exchange's masks (rps, an exchange every step), or
-    in one round of its own (local SGD's steps between averages, which exchange nothing): 20 more steps, 20 more
-    rounds. The carried loss is the right one: the simulator replaying the run's trace gets the same."""
+@pytest.mark.parametrize(("strategy", "period", "per_20_steps"), [("rps", 1, 20), ("local-sgd", 1, 20),
+                                                                   ("local-sgd", 5, 4), ("local-sgd", 20, 3)])
+def test_control_rounds_are_the_exchanges_and_the_loss_means_ride_in_them(strategy: str, period: int,
+                                                                        per_20_steps: int, tmp_path: Path) -> None:
+    """With live membership the control plane is rounds through the control store, each a wait on it. A step's
+    loss mean rides in the next round an exchange makes anyway: rps's masks every step; local SGD's average
+    every ``period`` steps, so that the steps between make none, unless a mean has waited MAX_PENDING_LOSSES
+    (8) steps or the run ends (period 20, 30 steps: rounds of their own after steps 8, 16, 28 and 30, the
+    average's at 20; 10 steps: after 8 and 10). The carried losses are the right ones: the simulator replaying
+    the run's trace gets the same training loss."""
     rounds, losses = {}, {}
     for steps in (10, 30):
         run_dir = tmp_path / f"run{steps}"
         args = ["--backend", "dist", "--transport", "udp", "--workers", "2", "--strategy", strategy, "--steps",
-                str(steps), "--eval-every", str(steps), "--quiet", "--out", str(run_dir)]
+                str(steps), "--eval-every", str(steps), "--quiet", "--out", str(run_dir),
+                "--set", f"strategy.period={period}"]
         results = finish(launch_ranks(args, tmp_path, "", 2, env=ENV), timeout=120)
         assert all(code == 0 for code, _ in results), results
         summary = json.loads((run_dir / "summary.json").read_text())
         rounds[steps], losses[steps] = summary["udp"]["control_rounds"], summary["final_train_loss"]
-    assert rounds[30] - rounds[10] == 20, rounds
+    assert rounds[30] - rounds[10] == per_20_steps, rounds
     real = tmp_path / "run30"
     assert main(["train", "--config", str(real / "config.toml"), "--backend", "sim", "--transport", "gloo",
                  "--replay-trace", str(real), "--quiet", "--out", str(tmp_path / "replay")]) == 0

@@ -70,6 +70,17 @@ class Handle(Protocol):
     def wait(self) -> torch.Tensor: ...
 
 
+class MeanHandle(Handle, Protocol):
+    """A mean that was started (:meth:`Comm.start_mean`)."""
+
+    @property
+    def settled(self) -> bool:
+        """Whether the result is here alike on every rank: ``wait()`` then waits for nothing, and every rank
+        that asks at the same step gets True (an all-reduce in flight, which each rank sees complete at its own
+        time, is False until it is waited for)."""
+        ...
+
+
 class Done(NamedTuple):
     """A handle whose result is already here (every exchange of the simulator)."""
 
@@ -77,6 +88,7 @@ class Done(NamedTuple):
     """The exchange's result, [w, ...] like its input."""
 
     WORKER_AXIS = ("value",)
+    settled = True
 
     def wait(self) -> torch.Tensor:
         return self.value
@@ -162,7 +174,8 @@ class Comm(Protocol):
         """:meth:`block_average`, started: the handle's ``wait()`` gives its result."""
         ...
 
-    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None, *, deferred: bool = False) -> Handle:
+    def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None, *,
+                   deferred: bool = False) -> MeanHandle:
         """:meth:`mean`, started: the handle's ``wait()`` gives its result. ``deferred``: nobody needs it before
         the comm's next collective (a step's loss), so a comm whose collectives are rounds of records may carry
         it in that round's instead of one of its own."""

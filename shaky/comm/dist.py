@@ -56,6 +56,8 @@ HEARTBEAT_JOIN_S = 10.0
 class _Reduced:
     """An all-reduce in flight; ``wait`` gives the mean."""
 
+    settled = False     # each rank sees it complete at its own time
+
     def __init__(self, comm: DistComm, work: dist.Work, total: torch.Tensor,
                  denominator: torch.Tensor | float) -> None:
         self._comm, self._work, self._total, self._denominator = comm, work, total, denominator
@@ -99,6 +101,11 @@ class _Carried:
         self._comm, self.x, self.weights = comm, x.contiguous(), weights
         self.payload = self.x.numpy().tobytes()
         self.value: torch.Tensor | None = None
+
+    @property
+    def settled(self) -> bool:
+        """Carried by a control round (the same round on every rank)."""
+        return self.value is not None
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
