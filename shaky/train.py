@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from shaky.comm.base import Comm, Done, Handle, MeanHandle, on_device
+from shaky.comm.base import Comm, Done, MeanHandle, on_device
 from shaky.comm.sim import SimComm
 from shaky.config import RunConfig, to_dict
 from shaky.data import shard_summary

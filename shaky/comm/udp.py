@@ -17,7 +17,8 @@ sent before them is still on the way; OptiReduce's early close), or at its deadl
 first. The very last datagram of each sender's stream to a receiver goes twice, the copy flagged as a
 repeat (and tagged as itself): it is the one that says "that was all", and when it is lost the receiver
 waits ``UdpOptions.final_grace_s`` for it (it may only be late); with the copy that happens with
-probability p^2 instead of p. A repeat whose original arrived is dropped without a count. What arrived is reported as masks, which are the segment-level delivery masks of the simulator
+probability p^2 instead of p. A repeat whose original arrived is dropped without a count. What arrived is
+reported as masks, which are the segment-level delivery masks of the simulator
 (``LinkSample``) for this rank's links:
 
 - ``up_obs`` bool [W, S]: ``up_obs[i, k]`` = sender i's segment k reached this rank in phase 1, i.e. the
