@@ -277,7 +277,7 @@ def _joining(timeout_s: float) -> Any:
 def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
     """A process started again for a dead rank of a udp run: the survivors take it back at a step's start and it
     trains on with them; it never writes the run directory (rank 0 does)."""
-    from shaky.comm.dist import LeftBehind, NotTakenBack, udp_comm  # noqa: PLC0415
+    from shaky.comm.dist import ForgedRecord, LeftBehind, NotTakenBack, udp_comm  # noqa: PLC0415
     from shaky.config import to_dict  # noqa: PLC0415
     from shaky.train import train  # noqa: PLC0415
 
@@ -313,7 +313,7 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
             train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
                   faults=_faults(), welcome=welcome)
         comm.barrier()
-    except (LeftBehind, NotTakenBack) as exc:
+    except (LeftBehind, NotTakenBack, ForgedRecord) as exc:
         print(f"shaky: error: {exc}", file=sys.stderr)
         return 3
     finally:
@@ -345,7 +345,8 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     """One worker of a torchrun job: rank 0 picks the run directory and writes it; all ranks train."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from shaky.comm.dist import DistComm, LeftBehind, broadcast_object, init_from_env, udp_comm  # noqa: PLC0415
+    from shaky.comm.dist import (DistComm, ForgedRecord, LeftBehind, broadcast_object, init_from_env,  # noqa: PLC0415
+                                 udp_comm)
     from shaky.config import to_dict  # noqa: PLC0415
     from shaky.train import train  # noqa: PLC0415
 
@@ -392,7 +393,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
             comm.end_run()
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
         comm.barrier()
-    except LeftBehind as exc:
+    except (LeftBehind, ForgedRecord) as exc:
         print(f"shaky: error: {exc}; last checkpoint: {_checkpoint_note(run_dir)}", file=sys.stderr)
         return 3
     except (RuntimeError, dist.DistBackendError) as exc:

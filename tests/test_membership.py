@@ -304,6 +304,51 @@ def test_under_an_agent_hosted_rendezvous_store_the_control_plane_makes_no_reque
         assert not agent.check([key]), key
 
 
+def test_a_control_record_written_from_outside_the_run_stops_the_rank_and_is_never_used() -> None:
+    """The control store takes writes from whoever reaches it: every value the control plane writes carries a
+    tag of the run's key (bound to the run and the key's name), and a value that does not verify stops the
+    rank with ForgedRecord instead of being averaged, whether it stands in for another rank's record, for a
+    tombstone of this rank's own key, or is a genuine record moved to another key."""
+    import threading  # noqa: PLC0415
+    from datetime import timedelta  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from shaky.comm.dist import ForgedRecord, _Quorum  # noqa: PLC0415
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    attacker = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    key, run = b"k" * 32, 7
+
+    def quorum(rank: int, prefix: str) -> _Quorum:
+        return _Quorum(lambda r: 0.0, rank, 2, prefix, 3.0, 10.0, ("127.0.0.1", server.port), key, run)
+
+    # The honest round: each rank gets the other's record.
+    zero, one = quorum(0, "honest"), quorum(1, "honest")
+    got: dict[int, dict[int, bytes]] = {}
+    thread = threading.Thread(target=lambda: got.__setitem__(1, one.round(b"from 1")))
+    thread.start()
+    got[0] = zero.round(b"from 0")
+    thread.join(timeout=10)
+    assert got[0] == got[1] == {0: b"from 0", 1: b"from 1"}
+
+    # Another rank's record, forged (no valid tag): rank 0 stops instead of using it.
+    attacker.set("forged/0/1", b"R" + b"evil" + bytes(16))
+    with pytest.raises(ForgedRecord, match="'forged/0/1' does not verify"):
+        quorum(0, "forged").round(b"mine")
+    # A forged tombstone in rank 0's own key: not taken for being left out.
+    attacker.set("tomb/0/0", b"D" + bytes(16))
+    with pytest.raises(ForgedRecord, match="'tomb/0/0' does not verify"):
+        quorum(0, "tomb").round(b"mine")
+    # A genuine record replayed under another key (another round) does not verify there either.
+    attacker.set("replay/0/1", quorum(1, "replay").seal("replay/0/1", b"R" + b"round 0 of rank 1"))
+    attacker.set("replay/1/1", attacker.get("honest/0/1"))
+    zero = quorum(0, "replay")
+    zero.round(b"round 0")      # the record sealed for replay/0/1 verifies there
+    with pytest.raises(ForgedRecord, match="'replay/1/1' does not verify"):
+        zero.round(b"round 1")
+
+
 def test_the_store_sockets_get_a_minimum_retransmission_timeout_of_milliseconds_and_no_other_socket_does() -> None:
     """shorten_store_retransmits sets TCP_RTO_MIN_US on the store's listening socket, on the connections it
     accepted, and on its clients' (found by port), and on no other socket of the process: not on a TCP

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -561,6 +562,11 @@ class LeftBehind(RuntimeError):
     its process was frozen) and the run went on without it."""
 
 
+class ForgedRecord(RuntimeError):
+    """A value in the control store did not verify against the run's key: something outside the run wrote it.
+    The rank stops rather than average it (the store, torch's TCPStore, takes writes from whoever reaches it)."""
+
+
 class _Quorum:
     """The udp transport's control plane when ranks may die: rounds of small records in the control store.
 
@@ -571,14 +577,17 @@ class _Quorum:
     ``compare_set``. Either its record or the tombstone was written first, and every rank reads the same: each
     round ends with the same records and the same live set on every survivor (torchft's quorum, with a store
     key per rank in place of a lighthouse), and a rank that finds its own key tombstoned knows it was left
-    out. The common round is two store requests, three round trips (the write, and one ``multi_get``, which waits
-    for the others' keys and then reads them); the old
-    rounds' keys are deleted by a thread with a store client of its own, off the round's path.
+    out. Every value it writes is sealed with the run's key (:meth:`seal`): the store takes writes from whoever
+    reaches it, and a value that does not verify stops the rank (ForgedRecord). The common round is two store
+    requests, three round trips (the write, and one ``multi_get``, which waits for the others' keys and then
+    reads them); the old rounds' keys are deleted by a thread with a store client of its own, off the round's
+    path.
     """
 
     def __init__(self, silent_s: Callable[[int], float], rank: int, num_workers: int, prefix: str, timeout_s: float,
-                 store_timeout_s: float, address: tuple[str, int]) -> None:
+                 store_timeout_s: float, address: tuple[str, int], key: bytes, run_id: int) -> None:
         host, port = address      # the control store's (:class:`_ControlStore`)
+        self._key, self._run, self._address = key, run_id.to_bytes(8, "big"), f"{host}:{port}"
         # A client of its own: its waits block it, and the heartbeat thread must never wait behind them.
         self._store_timeout = timedelta(seconds=store_timeout_s)
         self._store = dist.TCPStore(host, port, is_master=False, timeout=self._store_timeout)
@@ -629,10 +638,28 @@ class _Quorum:
         return LeftBehind(f"rank {self.rank} was declared dead by the others (its heartbeat stopped for more than "
                           f"dist.heartbeat_timeout_s = {self.timeout_s:g} s) and the run went on without it")
 
+    def seal(self, name: str, value: bytes) -> bytes:
+        """``value`` as it is written under the key ``name``: followed by a tag (HMAC-SHA256 with the run's udp
+        key, truncated to 16 bytes, as the data plane's datagrams) that binds it to this run and that key."""
+        return value + self._tag(name, value)
+
+    def opened(self, name: str, sealed: bytes) -> bytes:
+        """The value that :meth:`seal` wrote under ``name``; ForgedRecord where the tag does not verify."""
+        value, tag = sealed[:-_SEAL_BYTES], sealed[-_SEAL_BYTES:]
+        if len(sealed) < _SEAL_BYTES or not hmac.compare_digest(tag, self._tag(name, value)):
+            raise ForgedRecord(f"the control store's {name!r} does not verify against the run's key: something "
+                               f"outside the run wrote it (the store at {self._address} takes writes from whoever "
+                               "reaches that address; see dist.host), and this rank stops rather than use it")
+        return value
+
+    def _tag(self, name: str, value: bytes) -> bytes:
+        message = b"shaky control\0" + self._run + name.encode() + b"\0" + value
+        return hmac.digest(self._key, message, "sha256")[:_SEAL_BYTES]
+
     def _check_still_live(self) -> None:
         store = self._store
         if store.check([self.live_key]) and \
-                str(self.rank) not in store.get(self.live_key).decode().split(","):
+                str(self.rank) not in self.opened(self.live_key, store.get(self.live_key)).decode().split(","):
             raise self._left_behind()
 
     def leave(self) -> None:
@@ -656,7 +683,9 @@ class _Quorum:
         were not declared dead in it."""
         store, key = self._store, f"{self.prefix}/{self._seq}"
         self._seq += 1
-        if store.compare_set(f"{key}/{self.rank}", "", _RECORD + record)[:1] != _RECORD:
+        sealed = self.seal(f"{key}/{self.rank}", _RECORD + record)
+        if (got := store.compare_set(f"{key}/{self.rank}", "", sealed)) != sealed:
+            self.opened(f"{key}/{self.rank}", got)      # a tombstone, unless forged
             raise self._left_behind()       # the others declared this rank dead first
         others = [r for r in self.live if r != self.rank]
         missing, values = others, None      # values: the others' keys, read (in their order)
@@ -682,11 +711,12 @@ class _Quorum:
         if missing:
             self._check_still_live()
         for r in missing:   # dead: unless its record came first (then the reply is the record, and it counts)
-            store.compare_set(f"{key}/{r}", "", _DEAD)
+            store.compare_set(f"{key}/{r}", "", self.seal(f"{key}/{r}", _DEAD))
         if values is None:
             values = store.multi_get([f"{key}/{r}" for r in others]) if others else []
         records = {self.rank: record}
         for r, value in zip(others, values, strict=True):
+            value = self.opened(f"{key}/{r}", value)
             if value[:1] == _RECORD:
                 records[r] = value[1:]
         included = tuple(sorted(records))
@@ -698,13 +728,14 @@ class _Quorum:
             dead = [r for r in range(self.num_workers) if r not in self.live]
             if dead:    # every survivor asks, and the first answer holds: "+" and the ranks to take back
                 joining = ",".join(str(r) for r in dead if store.check([self.join_key(r)]))
-                agreed = store.compare_set(f"{key}/admit", "", f"+{joining}").decode()[1:]
+                agreed = self.opened(f"{key}/admit", store.compare_set(
+                    f"{key}/admit", "", self.seal(f"{key}/admit", f"+{joining}".encode()))).decode()[1:]
                 if agreed:
                     self.admitted = tuple(sorted({*self.admitted, *map(int, agreed.split(","))}))
                 if self.rank == included[0]:
                     mine.append(f"{key}/admit")
         if included != self.live:
-            store.set(self.live_key, ",".join(map(str, included)))
+            store.set(self.live_key, self.seal(self.live_key, ",".join(map(str, included)).encode()))
         # Every survivor is past a round once it is three rounds on: its keys can go.
         self._swept.append(mine)
         if len(self._swept) > 3:
@@ -724,6 +755,8 @@ class _Quorum:
             self._store.set_timeout(self._store_timeout)
 
 
+_SEAL_BYTES = 16
+"""The tag that follows every value the control plane writes (:meth:`_Quorum.seal`)."""
 _RECORD, _DEAD = b"R", b"D"
 """The first byte of a control round's key: a rank's record follows, or the rank was declared dead (a key is
 written once, with ``compare_set`` from empty: a record of no bytes is still not empty)."""
@@ -912,7 +945,8 @@ class UdpDistComm(DistComm):
             self._start_heartbeat(dist.TCPStore(*self._control.address, is_master=False,
                                                 timeout=timedelta(seconds=self._control.timeout_s)))
         self._quorum = None if self._control is None else _Quorum(
-            self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, self._control.timeout_s, self._control.address)
+            self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, self._control.timeout_s, self._control.address,
+            key, run_id)
         self.watching = self._quorum is not None
         self._changes: list[tuple[int, torch.Tensor]] = []
         self._filled: tuple[int, ...] = ()
@@ -1011,9 +1045,9 @@ class UdpDistComm(DistComm):
             torch.save({"train": snapshot, "comm": {
                 "seq": q.seq, "live": live, "round": self._round, "deadline_s": self._deadline_s,
                 "membership_log": [*self.membership_log, entry]}}, buffer)
-            q.store.set(q.live_key, ",".join(map(str, live)))
+            q.store.set(q.live_key, q.seal(q.live_key, ",".join(map(str, live)).encode()))
             for r in joiners:
-                q.store.set(q.welcome_key(r), buffer.getvalue())
+                q.store.set(q.welcome_key(r), q.seal(q.welcome_key(r), buffer.getvalue()))
                 q.store.delete_key(q.join_key(r))
         q.resume_at(q.seq, live)
         entry["round_s"] = round(time.perf_counter() - t0, 3)     # what handing the state over cost this rank
@@ -1040,10 +1074,10 @@ class UdpDistComm(DistComm):
                                        f"the survivors take a rank back at a step's start once its old process "
                                        f"is seen dead")
                 time.sleep(0.02)
-            data = q.store.get(q.welcome_key(me))
+            data = q.opened(q.welcome_key(me), q.store.get(q.welcome_key(me)))
             q.store.delete_key(q.welcome_key(me))
             self.join_wait_s = time.monotonic() - self._asked_at
-        except NotTakenBack:
+        except (NotTakenBack, ForgedRecord):
             raise
         except RuntimeError:     # the store went away with its host
             raise NotTakenBack(f"rank {me} was not taken back: the run's control store is gone") from None
