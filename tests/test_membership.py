@@ -274,7 +274,8 @@ def test_with_every_packet_lossy_a_finished_run_ends_cleanly_on_every_rank(tmp_p
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
 
 
-def test_under_an_agent_hosted_rendezvous_store_the_control_plane_makes_no_request_to_it(tmp_path: Path) -> None:
+def test_under_an_agent_hosted_rendezvous_store_the_rounds_progress_and_heartbeats_are_kept_elsewhere(
+        tmp_path: Path) -> None:
     """torchrun's agent hosts the rendezvous store in a process shaky cannot tune (its answers wait TCP's 200 ms
     after a loss): here the test hosts it, as the agent does (TORCHELASTIC_USE_AGENT_STORE). The control rounds,
     the per-step progress marks and the heartbeats go to the store rank 0 hosts (its address published in the
