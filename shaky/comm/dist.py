@@ -251,8 +251,9 @@ class DistComm:
 
         A rank whose heartbeat stopped (it died, or its process was frozen) is the one; if every heartbeat
         goes on, the rank that reported the lowest step (it hangs while its process lives). Reads both from
-        the rendezvous store. Rank 0 may host that store (plain ``init_method=env://``), so it waits until
-        every other survivor has read it before returning; None if the store is gone.
+        where they are written (the rendezvous store; with live membership, the control store rank 0 hosts).
+        Rank 0 may host the store, so it waits until every other survivor has read it before returning; None if
+        the store is gone.
         """
         try:
             dead: list[int] = []
