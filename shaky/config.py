@@ -348,8 +348,9 @@ class DistConfig:
     declared dead, and the survivors train on without it (its blocks move to the next live rank)."""
     emulate_latency: bool = False
     """udp, for tests and benchmarks on one machine: hold every datagram for the network model's one-way latency
-    of its link (network.latency_ms, or a preset's regions) before it leaves, an application-level delay line.
-    Emulation: the control plane (gloo) is not delayed."""
+    of its link (network.latency_ms, or a preset's regions) before it leaves, an application-level delay line;
+    and each request of a control round (live membership) for the latency between the rank and rank 0, which
+    hosts their store, before it goes and after its answer. Emulation: gloo's collectives are not delayed."""
 
     def __post_init__(self) -> None:
         _check_choice("dist.transport", self.transport, TRANSPORTS)

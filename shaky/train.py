@@ -262,7 +262,8 @@ class _LossMeans:
     arrived alike on every rank, without waiting for it: on the simulator at once; with live membership once a
     control round carried it, in the records that round exchanges anyway (rps makes one every step, local SGD
     at each average), so steps that exchange nothing make no round. It is waited for at the latest
-    :data:`MAX_PENDING_LOSSES` steps after it started, and at an evaluation, a checkpoint, the end, and before
+    :data:`MAX_PENDING_LOSSES` steps after it started (unless a round on its way carries it: a delayed
+    exchange's, which brings it in when the exchange is applied, t - 1 steps on), and at an evaluation, a checkpoint, the end, and before
     ranks are taken back (``settle``): on gloo, where an all-reduce's completion is not alike on every rank,
     only then. Any rank's signal in a mean taken in stops every rank after the same step; a rank that received
     none reports SIGTERM. On the simulator the signal is this process's own, at every step.
@@ -283,7 +284,8 @@ class _LossMeans:
     def take(self, counters: Counters, *, settle: bool) -> int | None:
         """Adds the means that are in (all of them with ``settle``, or where the oldest is
         :data:`MAX_PENDING_LOSSES` steps old) to ``counters``; returns the agreed stop signal, or None."""
-        settle = settle or len(self._pending) >= MAX_PENDING_LOSSES
+        # A mean that a round on its way carries (a delayed exchange's) is taken in when its exchange is.
+        settle = settle or (len(self._pending) >= MAX_PENDING_LOSSES and not self._pending[0].carried)
         stop = None
         while self._pending and (settle or self._pending[0].settled):
             both = self._pending.popleft().wait()

@@ -148,9 +148,12 @@ def test_a_rank_started_again_is_taken_back(tmp_path: Path) -> None:
     assert summary["steps"] == 1500 and summary["live_workers"] == 4, summary
     changes = summary["udp"]["membership_changes"]
     assert [c["live"] for c in changes] == [[0, 1, 3], [0, 1, 2, 3]], changes
-    assert changes[0]["step"] == 26 and changes[1]["rejoined"] == [2], changes
+    # Its death shows in the first control round it did not write. Those of the exchanges it launched at steps
+    # 22 to 24 run in the background and are taken in 3 steps later: it may have written them or not.
+    left = changes[0]["step"]
+    assert 26 <= left <= 29 and changes[1]["rejoined"] == [2], changes
     back = changes[1]["step"]
-    assert summary["udp"]["failures"] == [{"worker": 2, "step": 26, "rejoin": back, "restart": True}]
+    assert summary["udp"]["failures"] == [{"worker": 2, "step": left, "rejoin": back, "restart": True}]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["live_workers"] == 4 for r in rows if r["step"] >= back)
     # Once back, rank 2 serves its block again: its averages reach the others (the loopback loses almost none).
@@ -219,22 +222,24 @@ def test_when_the_store_host_dies_every_rank_stops_with_one_line_and_the_run_res
     assert summary["steps"] == 120 and summary["live_workers"] == 4
 
 
-@pytest.mark.parametrize(("strategy", "period", "per_20_steps"), [("rps", 1, 20), ("local-sgd", 1, 20),
-                                                                   ("local-sgd", 5, 4), ("local-sgd", 20, 3)])
-def test_control_rounds_are_the_exchanges_and_the_loss_means_ride_in_them(strategy: str, period: int,
+@pytest.mark.parametrize(("strategy", "setting", "per_20_steps"), [
+    ("rps", "strategy.period=1", 20), ("local-sgd", "strategy.period=1", 20), ("local-sgd", "strategy.period=5", 4),
+    ("local-sgd", "strategy.period=20", 3), ("dts", "strategy.delay=12", 20)])
+def test_control_rounds_are_the_exchanges_and_the_loss_means_ride_in_them(strategy: str, setting: str,
                                                                         per_20_steps: int, tmp_path: Path) -> None:
     """With live membership the control plane is rounds through the control store, each a wait on it. A step's
     loss mean rides in the next round an exchange makes anyway: rps's masks every step; local SGD's average
     every ``period`` steps, so that the steps between make none, unless a mean has waited MAX_PENDING_LOSSES
     (8) steps or the run ends (period 20, 30 steps: rounds of their own after steps 8, 16, 28 and 30, the
     average's at 20; 10 steps: after 8 and 10). The carried losses are the right ones: the simulator replaying
-    the run's trace gets the same training loss."""
+    the run's trace gets the same training loss. dts with t = 12: a mean rides in the next exchange's round,
+    which runs in the background and is taken in 11 steps later, with that exchange: no round of its own."""
     rounds, losses = {}, {}
     for steps in (10, 30):
         run_dir = tmp_path / f"run{steps}"
         args = ["--backend", "dist", "--transport", "udp", "--workers", "2", "--strategy", strategy, "--steps",
                 str(steps), "--eval-every", str(steps), "--quiet", "--out", str(run_dir),
-                "--set", f"strategy.period={period}"]
+                "--set", setting]
         results = finish(launch_ranks(args, tmp_path, "", 2, env=ENV), timeout=120)
         assert all(code == 0 for code, _ in results), results
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -324,30 +329,71 @@ def test_a_control_record_written_from_outside_the_run_stops_the_rank_and_is_nev
     def quorum(rank: int, prefix: str) -> _Quorum:
         return _Quorum(lambda r: 0.0, rank, 2, prefix, 3.0, 10.0, ("127.0.0.1", server.port), key, run)
 
+    def play(q: _Quorum, record: bytes) -> dict[int, bytes]:    # the next round, with every rank live
+        return q.round(q.take_seq(), record, q.live, admit=False).records
+
     # The honest round: each rank gets the other's record.
     zero, one = quorum(0, "honest"), quorum(1, "honest")
     got: dict[int, dict[int, bytes]] = {}
-    thread = threading.Thread(target=lambda: got.__setitem__(1, one.round(b"from 1")))
+    thread = threading.Thread(target=lambda: got.__setitem__(1, play(one, b"from 1")))
     thread.start()
-    got[0] = zero.round(b"from 0")
+    got[0] = play(zero, b"from 0")
     thread.join(timeout=10)
     assert got[0] == got[1] == {0: b"from 0", 1: b"from 1"}
 
     # Another rank's record, forged (no valid tag): rank 0 stops instead of using it.
     attacker.set("forged/0/1", b"R" + b"evil" + bytes(16))
     with pytest.raises(ForgedRecord, match="'forged/0/1' does not verify"):
-        quorum(0, "forged").round(b"mine")
+        play(quorum(0, "forged"), b"mine")
     # A forged tombstone in rank 0's own key: not taken for being left out.
     attacker.set("tomb/0/0", b"D" + bytes(16))
     with pytest.raises(ForgedRecord, match="'tomb/0/0' does not verify"):
-        quorum(0, "tomb").round(b"mine")
+        play(quorum(0, "tomb"), b"mine")
     # A genuine record replayed under another key (another round) does not verify there either.
     attacker.set("replay/0/1", quorum(1, "replay").seal("replay/0/1", b"R" + b"round 0 of rank 1"))
     attacker.set("replay/1/1", attacker.get("honest/0/1"))
     zero = quorum(0, "replay")
-    zero.round(b"round 0")      # the record sealed for replay/0/1 verifies there
+    play(zero, b"round 0")      # the record sealed for replay/0/1 verifies there
     with pytest.raises(ForgedRecord, match="'replay/1/1' does not verify"):
-        zero.round(b"round 1")
+        play(zero, b"round 1")
+
+
+def test_a_ranks_control_rounds_run_at_once_in_threads_and_each_agrees_on_its_own_records() -> None:
+    """A delayed exchange's control round runs in its lane's control thread while the training loop goes on
+    and submits the next: one rank's rounds can be in flight at once, each in a thread with a store client of
+    its own. Here rank 1 runs rounds 0 and 1 at once (round 1 written first) while rank 0 runs them one after
+    the other: every round ends with the same records on both ranks, and a rank's three threads used three
+    clients of the store."""
+    import threading  # noqa: PLC0415
+    from datetime import timedelta  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from shaky.comm.dist import _Quorum  # noqa: PLC0415
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    zero, one = (_Quorum(lambda r: 0.0, rank, 2, "at-once", 3.0, 10.0, ("127.0.0.1", server.port), b"k" * 32, 7)
+                 for rank in (0, 1))
+    first, second = one.take_seq(), one.take_seq()
+    got: dict[tuple[int, int], dict[int, bytes]] = {}
+    clients: list[object] = [one.client()]     # held: a thread's client goes with the thread
+
+    def run(seq: int) -> None:
+        clients.append(one.client())
+        got[1, seq] = one.round(seq, f"1 in {seq}".encode(), (0, 1), admit=False).records
+
+    later = threading.Thread(target=run, args=(second,))
+    later.start()
+    server.wait([f"at-once/{second}/1"], timedelta(seconds=10))     # round 1's record is in before round 0's
+    earlier = threading.Thread(target=run, args=(first,))
+    earlier.start()
+    for seq in (zero.take_seq(), zero.take_seq()):
+        got[0, seq] = zero.round(seq, f"0 in {seq}".encode(), (0, 1), admit=False).records
+    for thread in (later, earlier):
+        thread.join(timeout=10)
+    for seq in (0, 1):
+        assert got[0, seq] == got[1, seq] == {0: f"0 in {seq}".encode(), 1: f"1 in {seq}".encode()}, got
+    assert len({id(c) for c in clients}) == 3
 
 
 def test_the_store_sockets_get_a_minimum_retransmission_timeout_of_milliseconds_and_no_other_socket_does() -> None:

@@ -80,6 +80,13 @@ class MeanHandle(Handle, Protocol):
         time, is False until it is waited for)."""
         ...
 
+    @property
+    def carried(self) -> bool:
+        """Whether a control round already on its way carries it, one the training loop takes in at a step of
+        its schedule anyway (a delayed exchange's): waiting for it sooner would only wait for that round early.
+        The same on every rank at the same step."""
+        ...
+
 
 class Done(NamedTuple):
     """A handle whose result is already here (every exchange of the simulator)."""
@@ -89,6 +96,7 @@ class Done(NamedTuple):
 
     WORKER_AXIS = ("value",)
     settled = True
+    carried = True
 
     def wait(self) -> torch.Tensor:
         return self.value

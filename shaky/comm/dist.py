@@ -58,6 +58,7 @@ class _Reduced:
     """An all-reduce in flight; ``wait`` gives the mean."""
 
     settled = False     # each rank sees it complete at its own time
+    carried = False
 
     def __init__(self, comm: DistComm, work: dist.Work, total: torch.Tensor,
                  denominator: torch.Tensor | float) -> None:
@@ -80,10 +81,11 @@ def _world_timeout() -> timedelta:
 
 
 class _InFlight:
-    """An exchange running in a thread of its comm; ``wait()`` gives its result: the first call completes it
-    (``complete(future)``: waits, counts, and on udp gathers the masks), later calls return the same tensor."""
+    """An exchange (or a control round) running in a thread of its comm; ``wait()`` gives its result: the first
+    call completes it (``complete(future)``: waits, counts, and on udp gathers or takes in the masks), later
+    calls return the same tensor."""
 
-    def __init__(self, future: Future, complete: Callable[[Future], torch.Tensor]) -> None:
+    def __init__(self, future: Any, complete: Callable[[Any], torch.Tensor]) -> None:
         self._future, self._complete = future, complete
         self._value: torch.Tensor | None = None
 
@@ -102,18 +104,48 @@ class _Carried:
         self._comm, self.x, self.weights = comm, x.contiguous(), weights
         self.payload = self.x.numpy().tobytes()
         self.value: torch.Tensor | None = None
+        self.round: _ControlRound | None = None
+        """The round that carries it, once one was submitted."""
 
     @property
     def settled(self) -> bool:
         """Carried by a control round (the same round on every rank)."""
         return self.value is not None
 
+    @property
+    def carried(self) -> bool:
+        """A round was submitted with it (taken in where the training loop waits for that round's exchange)."""
+        return self.round is not None
+
     def wait(self) -> torch.Tensor:
-        if self.value is None:
+        if self.value is None and self.round is not None:
+            self._comm._take(self.round)
+        elif self.value is None:
             self._comm._carry_pending()
-        if self.value is None:  # _carry_pending resolves every pending mean
+        if self.value is None:  # the round that carries it resolves it
             raise RuntimeError("a deferred mean was not carried by the control round")
         return self.value
+
+
+class _ControlRound:
+    """A control round (:meth:`UdpDistComm._submit`): numbered, and its record's contents fixed, in the training
+    loop's order (the same on every rank); run at once, or in a control thread (an exchange's, once the
+    exchange is done) while the loop computes; taken in (:meth:`UdpDistComm._take`) in order."""
+
+    def __init__(self, seq: int, carried: list[_Carried]) -> None:
+        self.seq, self.carried = seq, carried
+        self.tail = sum(len(mean.payload) for mean in carried)
+        self.future: Future = Future()
+        self.taken: _Taken | None = None
+
+
+class _Taken(NamedTuple):
+    parts: dict[int, bytes]
+    """Each live rank's own part of its record (without the deferred means)."""
+    live: tuple[int, ...]
+    """The live ranks after the round."""
+    extra: Any
+    """What the round's submitter had it carry back (an exchange's result)."""
 
 
 class DistComm:
@@ -576,9 +608,11 @@ class _Quorum:
     could be stale; a rank whose heartbeat (a thread of its own, independent of its training loop) has not
     moved for ``timeout_s`` is declared dead by writing a tombstone into its key, with the same
     ``compare_set``. Either its record or the tombstone was written first, and every rank reads the same: each
-    round ends with the same records and the same live set on every survivor (torchft's quorum, with a store
-    key per rank in place of a lighthouse), and a rank that finds its own key tombstoned knows it was left
-    out. Every value it writes is sealed with the run's key (:meth:`seal`): the store takes writes from whoever
+    round ends with the same records on every survivor (torchft's quorum, with a store key per rank in place of
+    a lighthouse), and a rank that finds its own key tombstoned knows it was left out. Rounds may run at once
+    (the comm's control threads: a delayed exchange's round runs while the next ones start), each in its
+    thread's client (:meth:`client`); the comm takes them in in order, and a rank stays live while every round
+    holds its record. Every value it writes is sealed with the run's key (:meth:`seal`): the store takes writes from whoever
     reaches it, and a value that does not verify stops the rank (ForgedRecord). The common round is two store
     requests, three round trips (the write, and one ``multi_get``, which waits for the others' keys and then
     reads them); the old rounds' keys are deleted by a thread with a store client of its own, off the round's
@@ -586,33 +620,34 @@ class _Quorum:
     """
 
     def __init__(self, silent_s: Callable[[int], float], rank: int, num_workers: int, prefix: str, timeout_s: float,
-                 store_timeout_s: float, address: tuple[str, int], key: bytes, run_id: int) -> None:
+                 store_timeout_s: float, address: tuple[str, int], key: bytes, run_id: int,
+                 latency_s: float = 0.0) -> None:
         host, port = address      # the control store's (:class:`_ControlStore`)
+        self._latency_s = latency_s
+        """The one-way latency to emulate between this rank and the store (``dist.emulate_latency``): a round's
+        write waits it before it goes and after its answer, its read before it goes and three times after its
+        answer (a ``multi_get`` is a wait, then a read: two round trips)."""
         self._key, self._run, self._address = key, run_id.to_bytes(8, "big"), f"{host}:{port}"
         # A client of its own: its waits block it, and the heartbeat thread must never wait behind them.
         self._store_timeout = timedelta(seconds=store_timeout_s)
         self._store = dist.TCPStore(host, port, is_master=False, timeout=self._store_timeout)
+        self._owner, self._local, self._host, self._port = threading.current_thread(), threading.local(), host, port
         self.store_rto_min_ms = shorten_store_retransmits(port)
         """TCP's minimum retransmission timeout on the control store's connections, in milliseconds (None: the
         kernel's own, 200 ms). Set by the control plane, which a lossy network makes wait on it: a DistComm
         without live membership (gloo, a user's RPSAverager) leaves the process's sockets alone."""
         self._sweeper = _Sweeper(host, port, store_timeout_s)
-        self._swept: collections.deque[list[str]] = collections.deque()
-        """The keys of each of the last rounds that this rank deletes once every survivor is past them."""
+        self._swept: dict[int, list[str]] = {}
+        """The keys of each round taken in that this rank deletes once every survivor has taken it in."""
         self._silent_s = silent_s
         self.rank, self.prefix, self.timeout_s = rank, prefix, timeout_s
         self.live: tuple[int, ...] = tuple(range(num_workers))
-        """The ranks alive as of the last round, the same on every survivor."""
+        """The ranks alive as of the last round taken in, the same on every survivor (set by the comm)."""
         self._seq = 0
         self.live_key = f"{prefix}/live"
         """The live ranks as of the last change (every survivor writes the same): a rank that wakes after the
         rounds that left it out were cleaned away learns it here."""
         self.num_workers = num_workers
-        self.admitting = False
-        """The next round may take in ranks started again (set at each step's start: every rank's first round
-        of a step is the same round)."""
-        self.admitted: tuple[int, ...] = ()
-        """Ranks started again that a round took in: they join at the next step's start."""
 
     def join_key(self, rank: int) -> str:
         """Where a process started again for ``rank`` asks to be taken back."""
@@ -626,10 +661,40 @@ class _Quorum:
     def store(self) -> dist.Store:
         return self._store
 
+    def client(self) -> dist.Store:
+        """This thread's client of the store: rounds run in several threads at once (a control thread for each
+        lane), and a client makes one request at a time."""
+        if threading.current_thread() is self._owner:
+            return self._store
+        store = getattr(self._local, "store", None)
+        if store is None:
+            store = self._local.store = dist.TCPStore(self._host, self._port, is_master=False,
+                                                      timeout=self._store_timeout)
+            shorten_store_retransmits(self._port)
+        return store
+
     @property
     def seq(self) -> int:
         """The number of the next round."""
         return self._seq
+
+    def take_seq(self) -> int:
+        """The next round's number, taken (rounds are numbered in the order they are submitted, the same on
+        every rank)."""
+        self._seq += 1
+        return self._seq - 1
+
+    def publish_live(self, live: Sequence[int]) -> None:
+        """The live ranks after a change (every survivor writes the same)."""
+        self._store.set(self.live_key, self.seal(self.live_key, ",".join(map(str, live)).encode()))
+
+    def sweep(self, seq: int, keys: list[str], below: int) -> None:
+        """Round ``seq``'s ``keys`` (this rank's to delete) are kept until every survivor has taken in the
+        round; ``below``: every survivor has taken in each round before it."""
+        self._swept[seq] = keys
+        done = [k for k in self._swept if k < below]
+        if done:
+            self._sweeper.delete([key for k in sorted(done) for key in self._swept.pop(k)])
 
     def resume_at(self, seq: int, live: Sequence[int]) -> None:
         """A rank taken back: its next round is ``seq``, with the ranks ``live``."""
@@ -657,8 +722,7 @@ class _Quorum:
         message = b"shaky control\0" + self._run + name.encode() + b"\0" + value
         return hmac.digest(self._key, message, "sha256")[:_SEAL_BYTES]
 
-    def _check_still_live(self) -> None:
-        store = self._store
+    def _check_still_live(self, store: dist.Store) -> None:
         if store.check([self.live_key]) and \
                 str(self.rank) not in self.opened(self.live_key, store.get(self.live_key)).decode().split(","):
             raise self._left_behind()
@@ -679,16 +743,23 @@ class _Quorum:
         except RuntimeError:    # the store is gone, or a rank died after the last round: nothing to wait for
             pass
 
-    def round(self, record: bytes) -> dict[int, bytes]:
-        """Writes this rank's ``record`` and returns the round's records, by rank: those of the live ranks that
-        were not declared dead in it."""
-        store, key = self._store, f"{self.prefix}/{self._seq}"
-        self._seq += 1
+    def round(self, seq: int, record: bytes, live: Sequence[int], admit: bool) -> _RoundResult:
+        """Writes this rank's ``record`` in round ``seq`` (:meth:`take_seq`) and returns the round's records, by
+        rank: those of the ``live`` ranks (as of the last round taken in when it was submitted) that were not
+        declared dead in it. Rounds may run at once, in different threads; each of them agrees on its own
+        records, and the comm takes them in in order (a rank is live after a round if it was before and its
+        record is in). ``admit``: the round may take in ranks started again (the first round submitted in
+        each step)."""
+        store, key = self.client(), f"{self.prefix}/{seq}"
+        t0 = time.perf_counter()
         sealed = self.seal(f"{key}/{self.rank}", _RECORD + record)
-        if (got := store.compare_set(f"{key}/{self.rank}", "", sealed)) != sealed:
+        self._hold(1)
+        got = store.compare_set(f"{key}/{self.rank}", "", sealed)
+        self._hold(1)
+        if got != sealed:
             self.opened(f"{key}/{self.rank}", got)      # a tombstone, unless forged
             raise self._left_behind()       # the others declared this rank dead first
-        others = [r for r in self.live if r != self.rank]
+        others = [r for r in live if r != self.rank]
         missing, values = others, None      # values: the others' keys, read (in their order)
         replaced: set[int] = set()      # missing ranks for which a new process asks to be taken back
         while missing:
@@ -700,17 +771,19 @@ class _Quorum:
             try:
                 until = timedelta(seconds=max(0.05, min(self.timeout_s - self._silent_s(r) for r in pending)))
                 if pending == others:   # the common round: a multi_get waits for its keys, then reads them
-                    values, missing = self._multi_get([f"{key}/{r}" for r in others], until), []
+                    self._hold(1)
+                    values, missing = self._multi_get(store, [f"{key}/{r}" for r in others], until), []
+                    self._hold(3)
                 else:
                     store.wait([f"{key}/{r}" for r in pending], until)
                     missing = [r for r in missing if r not in pending and not store.check([f"{key}/{r}"])]
             except dist.DistStoreError:             # it ran out (the store itself raises other errors)
-                self._check_still_live()            # a rank woken after the others left it out
+                self._check_still_live(store)       # a rank woken after the others left it out
                 missing = [r for r in missing if not store.check([f"{key}/{r}"])]
                 # A process started again for a rank beats that rank's heartbeat: its old one is gone.
                 replaced |= {r for r in missing if store.check([self.join_key(r)])}
         if missing:
-            self._check_still_live()
+            self._check_still_live(store)
         for r in missing:   # dead: unless its record came first (then the reply is the record, and it counts)
             store.compare_set(f"{key}/{r}", "", self.seal(f"{key}/{r}", _DEAD))
         if values is None:
@@ -723,37 +796,44 @@ class _Quorum:
         included = tuple(sorted(records))
         mine = [f"{key}/{self.rank}"]
         if self.rank == included[0]:      # the lowest survivor deletes what the dead left in the round
-            mine += [f"{key}/{r}" for r in self.live if r not in records]
-        if self.admitting:
-            self.admitting = False
-            dead = [r for r in range(self.num_workers) if r not in self.live]
-            if dead:    # every survivor asks, and the first answer holds: "+" and the ranks to take back
-                joining = ",".join(str(r) for r in dead if store.check([self.join_key(r)]))
-                agreed = self.opened(f"{key}/admit", store.compare_set(
-                    f"{key}/admit", "", self.seal(f"{key}/admit", f"+{joining}".encode()))).decode()[1:]
-                if agreed:
-                    self.admitted = tuple(sorted({*self.admitted, *map(int, agreed.split(","))}))
-                if self.rank == included[0]:
-                    mine.append(f"{key}/admit")
-        if included != self.live:
-            store.set(self.live_key, self.seal(self.live_key, ",".join(map(str, included)).encode()))
-        # Every survivor is past a round once it is three rounds on: its keys can go.
-        self._swept.append(mine)
-        if len(self._swept) > 3:
-            self._sweeper.delete(self._swept.popleft())
-        self.live = included
-        return records
+            mine += [f"{key}/{r}" for r in live if r not in records]
+        admitted: tuple[int, ...] = ()
+        dead = [r for r in range(self.num_workers) if r not in live]
+        if admit and dead:    # every survivor asks, and the first answer holds: "+" and the ranks to take back
+            joining = ",".join(str(r) for r in dead if store.check([self.join_key(r)]))
+            agreed = self.opened(f"{key}/admit", store.compare_set(
+                f"{key}/admit", "", self.seal(f"{key}/admit", f"+{joining}".encode()))).decode()[1:]
+            admitted = tuple(map(int, agreed.split(","))) if agreed else ()
+            if self.rank == included[0]:
+                mine.append(f"{key}/admit")
+        return _RoundResult(records, admitted, mine, time.perf_counter() - t0)
 
 
-    def _multi_get(self, keys: list[str], timeout: timedelta) -> list[bytes]:
+    def _hold(self, times: int) -> None:
+        """The emulated latency of ``times`` one-way trips to the store (none unless ``dist.emulate_latency``)."""
+        if self._latency_s:
+            time.sleep(times * self._latency_s)
+
+    def _multi_get(self, store: dist.Store, keys: list[str], timeout: timedelta) -> list[bytes]:
         """``keys``' values, waiting at most ``timeout`` for them to be written (DistStoreError when it runs out).
         A multi_get waits for its keys before it reads them, with the client's timeout: a ``wait`` of its own
         first would cost one more round trip to the store (a round is then three, not four)."""
-        self._store.set_timeout(timeout)
+        store.set_timeout(timeout)
         try:
-            return self._store.multi_get(keys)
+            return store.multi_get(keys)
         finally:
-            self._store.set_timeout(self._store_timeout)
+            store.set_timeout(self._store_timeout)
+
+
+class _RoundResult(NamedTuple):
+    records: dict[int, bytes]
+    """The round's records, by rank (this rank's own included)."""
+    admitted: tuple[int, ...]
+    """Ranks started again that the round agreed to take back."""
+    keys: list[str]
+    """The round's keys this rank deletes once every survivor has taken the round in."""
+    seconds: float
+    """How long the round took this rank."""
 
 
 _SEAL_BYTES = 16
@@ -850,7 +930,10 @@ class UdpDistComm(DistComm):
     over gloo afterwards (:attr:`observed`, in the simulator's [W, W, S] layout, for the run's trace).
     The same gather carries each rank's deadline proposal for the next round, so the ranks agree on it
     (the largest proposal) without another collective. Means, gathers and checkpoints stay on gloo, unless
-    ``heartbeat_timeout_s`` moves them, the masks included, to a store rank 0 hosts (live membership).
+    ``heartbeat_timeout_s`` moves them, the masks included, to a store rank 0 hosts (live membership): then
+    an exchange's masks go round in its lane's control thread as soon as the exchange is done (the round of a
+    delayed exchange is hidden by the steps of its delay too), and the rounds are taken in, in the order they
+    were submitted, where the training loop waits for them.
     """
 
     _instances = 0   # per process: every rank builds its comms in the same order, so the store keys agree
@@ -867,7 +950,8 @@ class UdpDistComm(DistComm):
         ``lanes``: exchanges that may be in flight at once (a delayed exchange's slots): each lane is a
         socket of its own, driven by a thread of its own, so that the exchanges launched at consecutive
         steps overlap each other as well as the compute (their latencies pipeline). ``latency_s``: the
-        one-way latency to emulate towards each rank (``UdpExchange``'s delay line; None: none).
+        one-way latency to emulate towards each rank (``UdpExchange``'s delay line, and with live membership
+        the control rounds' requests to rank 0's store: :class:`_Quorum`; None: none).
         ``heartbeat_timeout_s``: live membership (needs ``heartbeat``): the control plane (means, gathers, the
         masks) goes through :class:`_Quorum` rounds in a store rank 0 hosts (on the first free TCP port of
         ``ports`` at its ``host``) instead of gloo, and a rank whose
@@ -929,12 +1013,17 @@ class UdpDistComm(DistComm):
         self.exchange: UdpExchange = exchanges[0]
         """The first lane's exchange (every lane has the same options)."""
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"shaky-udp-lane{k}") for k in range(lanes)]
+        self._control_threads = [] if self._control is None else [
+            ThreadPoolExecutor(1, thread_name_prefix=f"shaky-udp-control{k}") for k in range(lanes)]
+        """With live membership: a thread for each lane that runs its exchanges' control rounds once they are done,
+        so that a delayed exchange's round (three round trips to rank 0's store) is hidden by the steps too."""
         self._completed: list[tuple[int, LinkSample]] = []
         self._step = 0
         self.segment_bytes = self.exchange.segment_bytes
         """The bytes of a datagram's segment: the unit of loss (``network.segment_bytes`` of the masks)."""
         self._fixed_s = None if deadline_ms is None else deadline_ms / 1000
         self._adaptive = AdaptiveDeadline()
+        self._adaptive_lock = threading.Lock()     # the control threads observe exchanges that end at once
         self._deadline_s = self._fixed_s or self._adaptive.propose()
         self._round = 0
         self._observed: LinkSample | None = None
@@ -947,13 +1036,18 @@ class UdpDistComm(DistComm):
                                                 timeout=timedelta(seconds=self._control.timeout_s)))
         self._quorum = None if self._control is None else _Quorum(
             self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, self._control.timeout_s, self._control.address,
-            key, run_id)
+            key, run_id, latency_s=latency_s[0] if latency_s and me != 0 else 0.0)
         self.watching = self._quorum is not None
         self._changes: list[tuple[int, torch.Tensor]] = []
-        self._filled: tuple[int, ...] = ()
-        """The ranks that left no record in the last control round (dead)."""
         self._pending: list[_Carried] = []
         """Deferred means waiting for the next control round (:meth:`start_mean`)."""
+        self._rounds: collections.deque[_ControlRound] = collections.deque()
+        """The control rounds submitted and not yet taken in, in order."""
+        self._admitting = False
+        """The next round submitted may take in ranks started again (set at each step's start: every rank's
+        first round of a step is the same round)."""
+        self._admitted: tuple[int, ...] = ()
+        """Ranks started again that a round taken in agreed to take back: they join at the next step's start."""
         self.membership_log: list[dict[str, object]] = []
         """Each membership change: the step from which it holds, the live ranks, the ranks taken back, and how
         long the control round that agreed on it took (most of it waiting for the dead rank's heartbeat to go
@@ -999,7 +1093,7 @@ class UdpDistComm(DistComm):
 
     def close(self) -> None:
         super().close()
-        for pool in self._threads:
+        for pool in [*self._threads, *self._control_threads]:
             pool.shutdown(wait=True, cancel_futures=True)
         for ex in self.exchanges:
             ex.close()
@@ -1017,17 +1111,14 @@ class UdpDistComm(DistComm):
     def on_step(self, step: int) -> None:
         super().on_step(step)
         self._step = step
-        if self._quorum is not None:
-            self._quorum.admitting = True
+        self._admitting = True
 
     # ------------------------------------------------------------------ ranks taken back
 
     def take_admitted(self) -> tuple[int, ...]:
         """The ranks started again that the survivors agreed to take back (in a round of the last step, the
         same on every rank): :meth:`welcome` them now, at the step's start."""
-        if self._quorum is None or not self._quorum.admitted:
-            return ()
-        joiners, self._quorum.admitted = self._quorum.admitted, ()
+        joiners, self._admitted = self._admitted, ()
         return joiners
 
     def welcome(self, joiners: Sequence[int], snapshot: dict[str, Any]) -> None:
@@ -1038,7 +1129,9 @@ class UdpDistComm(DistComm):
         q, t0 = self._quorum, time.perf_counter()
         if q is None:
             raise RuntimeError("ranks are taken back only with live membership")
+        self._drain()
         live = tuple(sorted({*q.live, *joiners}))
+        self._admitted = tuple(r for r in self._admitted if r not in live)
         entry: dict[str, object] = {"step": self._step, "live": list(live), "rejoined": list(joiners),
                                     "round_s": 0.0}
         if self.rank == q.live[0]:
@@ -1046,7 +1139,7 @@ class UdpDistComm(DistComm):
             torch.save({"train": snapshot, "comm": {
                 "seq": q.seq, "live": live, "round": self._round, "deadline_s": self._deadline_s,
                 "membership_log": [*self.membership_log, entry]}}, buffer)
-            q.store.set(q.live_key, q.seal(q.live_key, ",".join(map(str, live)).encode()))
+            q.publish_live(live)
             for r in joiners:
                 q.store.set(q.welcome_key(r), q.seal(q.welcome_key(r), buffer.getvalue()))
                 q.store.delete_key(q.join_key(r))
@@ -1136,21 +1229,65 @@ class UdpDistComm(DistComm):
             deadline = max(deadline, first_deadline_s(x[0].numel() * x.element_size()))
         # A background exchange reads its row while the caller goes on, so it gets a copy of its own.
         row = x[0].clone() if copy else x[0].contiguous()
-        lane = self.exchanges[self._round % len(self.exchanges)]
-        future = self._threads[self._round % len(self.exchanges)].submit(
-            lane.block_average, row, self._round, deadline_s=deadline, weights=weights, servers=servers)
+        k = self._round % len(self.exchanges)
+        future = self._threads[k].submit(self.exchanges[k].block_average, row, self._round, deadline_s=deadline,
+                                         weights=weights, servers=servers)
         self._round += 1
         step = self._step
-        return _InFlight(future, lambda done: self._complete(done, step, row, servers))
+        if self._quorum is None:
+            return _InFlight(future, lambda done: self._complete(done, step, row, servers))
+        # With live membership the masks' round runs in the lane's control thread as soon as the exchange is
+        # done: a delayed exchange's wait then finds it taken care of too.
+        rnd = self._submit(lambda: self._exchanged(future), thread=k)
+        return _InFlight(rnd, lambda done: self._completed_round(done, step, row, servers))
+
+    def _propose(self, stats: ExchangeStats) -> float:
+        """This rank's proposal of the next exchange's deadline, having seen ``stats``."""
+        if self._fixed_s is not None:
+            return self._fixed_s
+        with self._adaptive_lock:
+            self._adaptive.observe_stats(stats)
+            return self._adaptive.propose()
+
+    def _exchanged(self, future: Future) -> tuple[bytes, Any]:
+        """In a control thread: the exchange's result, and this rank's part of its masks' round."""
+        result = future.result()
+        _, up_obs, down_obs, stats = result
+        return _mask_record(up_obs, down_obs, self._propose(stats)).numpy().tobytes(), result
 
     def _complete(self, future: Future, step: int, row: torch.Tensor, servers: torch.Tensor | None) -> torch.Tensor:
-        """The result of the exchange launched at ``step`` from ``row``: waits for it, counts it, gathers every
-        rank's masks and the next deadline (a collective). A rank found dead in that gather left no record of
-        what reached it, so the averages it served in this exchange count as lost: every rank keeps its own
-        values of those blocks, and the masks say so (the simulator's replay then computes the same)."""
+        """The result of the exchange launched at ``step`` from ``row`` (gloo's control plane): waits for it,
+        counts it, gathers every rank's masks and the next deadline (a collective)."""
         t0 = time.perf_counter()
-        new, up_obs, down_obs, stats = future.result()
+        result = future.result()
         self.wait_s += time.perf_counter() - t0
+        _, up_obs, down_obs, stats = result
+        parts = self._all_gather(_mask_record(up_obs, down_obs, self._propose(stats)), fill=None)
+        return self._finish(result, parts, (), step, row, servers)
+
+    def _completed_round(self, rnd: _ControlRound, step: int, row: torch.Tensor,
+                         servers: torch.Tensor | None) -> torch.Tensor:
+        """The result of the exchange launched at ``step`` from ``row`` (live membership): waits for it and for
+        its masks' round (which ran in a control thread), and takes the round in. A rank found dead in that
+        round left no record of what reached it, so the averages it served in this exchange count as lost:
+        every rank keeps its own values of those blocks, and the masks say so (the simulator's replay then
+        computes the same)."""
+        t0 = time.perf_counter()
+        taken = self._take(rnd)
+        self.wait_s += time.perf_counter() - t0
+        _, up_obs, _, _ = taken.extra
+        w, nseg = up_obs.shape
+        parts = [torch.frombuffer(bytearray(taken.parts[r]), dtype=torch.uint8) if r in taken.live else
+                 _nothing_arrived(r, w, nseg) for r in range(self.num_workers)]
+        gone = tuple(r for r in range(self.num_workers) if r not in taken.live)
+        return self._finish(taken.extra, parts, gone, step, row, servers)
+
+    def _finish(self, result: tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExchangeStats],
+                parts: list[torch.Tensor], gone: tuple[int, ...], step: int, row: torch.Tensor,
+                servers: torch.Tensor | None) -> torch.Tensor:
+        """Counts an exchange, and makes every rank's masks (``parts``) the run's; ``gone``: the ranks that left
+        no record (dead), whose blocks every rank keeps its own values of."""
+        new, up_obs, _, stats = result
         self.last_stats = stats
         t = self._totals
         t["sent"] += stats.sent
@@ -1161,10 +1298,7 @@ class UdpDistComm(DistComm):
         t["closed_by_deadline"] += sum(c == "deadline" for c in stats.closed_by)
         t["repeated"] += stats.repeated
         t["grace_s"] += stats.grace_s
-        if self._fixed_s is None:
-            self._adaptive.observe_stats(stats)
-        proposal = self._fixed_s or self._adaptive.propose()
-        self._observed, gone = self._gather_masks(up_obs, down_obs, proposal, step)
+        self._observed = self._masks_from(parts, up_obs.shape, step, gone)
         self._completed.append((step, self._observed))
         if gone:
             w = self.num_workers
@@ -1187,34 +1321,91 @@ class UdpDistComm(DistComm):
             parts = [torch.empty_like(x) for _ in range(self.num_workers)]
             dist.all_gather(parts, x.contiguous())
             return parts
-        live_before, t0 = self._quorum.live, time.perf_counter()
-        # The deferred means ride along: each rank's record is its x, then each pending mean's values, in the
-        # order they were started (the same on every rank, which starts them at the same points).
-        carried, self._pending = self._pending, []
+        self._drain()   # the rounds in flight come first
         own = x.contiguous().numpy().tobytes()
-        cuts = [0, len(own)]
-        for mean in carried:
-            cuts.append(cuts[-1] + len(mean.payload))
-        records = self._quorum.round(b"".join([own, *(mean.payload for mean in carried)]))
-        if self._quorum.live != live_before:
-            self._changed(self._quorum.live, {"step": self._step + 1, "live": list(self._quorum.live),
-                                              "round_s": round(time.perf_counter() - t0, 3)})
-        for r, record in records.items():
-            if len(record) != cuts[-1]:
-                raise RuntimeError(f"control round: rank {r}'s record has {len(record)} bytes where this rank's "
-                                   f"has {cuts[-1]} (the ranks' control calls differ)")
-        for k, mean in enumerate(carried, start=1):
-            parts = [_from_bytes(records[r][cuts[k]:cuts[k + 1]], mean.x) if r in records else
-                     torch.zeros_like(mean.x) for r in range(self.num_workers)]
-            mean.value = _live_mean(parts, self._quorum.live, mean.weights)
-        got = {r: _from_bytes(b[:cuts[1]], x) for r, b in records.items()}
-        self._filled = tuple(r for r in range(self.num_workers) if r not in got)
-        if not self._filled:
+        taken = self._take(self._submit(lambda: (own, None)))
+        got = {r: _from_bytes(taken.parts[r], x) for r in taken.live}
+        if len(got) == self.num_workers:
             return [got[r] for r in range(self.num_workers)]
         if callable(fill):
             return [got[r] if r in got else fill(r) for r in range(self.num_workers)]
         stand_in = torch.stack(list(got.values())).mean(dim=0) if fill is None else torch.full_like(x, fill)
         return [got.get(r, stand_in) for r in range(self.num_workers)]
+
+    def _submit(self, own: Callable[[], tuple[bytes, Any]], thread: int | None = None) -> _ControlRound:
+        """A control round, submitted: numbered, with the deferred means that ride in it (their values follow
+        this rank's part of the record, in the order they were started: the same on every rank, which starts
+        them at the same points) and whether it may take ranks back, all fixed here, on the training loop's
+        thread. ``own()`` gives this rank's part of the record and what the round carries back to the caller;
+        it runs, with the round, in control thread ``thread`` (None: here, at once)."""
+        q = self._quorum
+        assert q is not None
+        carried, self._pending = self._pending, []
+        admit, self._admitting = self._admitting, False
+        # Each record starts with the first round this rank has not taken in: a round every survivor has taken
+        # in is done with, and its keys go (:meth:`_Quorum.sweep`).
+        head = struct.pack("<q", self._rounds[0].seq if self._rounds else q.seq)
+        rnd, live = _ControlRound(q.take_seq(), carried), q.live
+        tail = b"".join(mean.payload for mean in carried)
+        for mean in carried:
+            mean.round = rnd
+
+        def run() -> tuple[_RoundResult, Any]:
+            mine, extra = own()
+            return q.round(rnd.seq, head + mine + tail, live, admit), extra
+
+        self._rounds.append(rnd)
+        if thread is None:
+            try:
+                rnd.future.set_result(run())
+            except Exception as exc:    # raised where the round is taken in, in order
+                rnd.future.set_exception(exc)
+        else:
+            rnd.future = self._control_threads[thread].submit(run)
+        return rnd
+
+    def _take(self, rnd: _ControlRound) -> _Taken:
+        """Round ``rnd``, taken in, with every round submitted before it (waiting for them), in order."""
+        while rnd.taken is None:
+            self._take_in(self._rounds[0])
+        return rnd.taken
+
+    def _drain(self) -> None:
+        """Every round submitted, taken in."""
+        while self._rounds:
+            self._take_in(self._rounds[0])
+
+    def _take_in(self, rnd: _ControlRound) -> None:
+        """The oldest round not yet taken in: the ranks live after it are those live before it whose records it
+        holds (rounds that ran at once may each have left out a dead rank, or, for a rank that a round before
+        left out and that woke up, not), the same on every survivor, who all take rounds in in the same order.
+        A membership change holds from the next step."""
+        result, extra = rnd.future.result()
+        self._rounds.popleft()
+        q, records = self._quorum, result.records
+        assert q is not None
+        size = len(records[self.rank])
+        live = tuple(r for r in q.live if r in records)
+        for r in live:
+            if len(records[r]) != size:
+                raise RuntimeError(f"control round: rank {r}'s record has {len(records[r])} bytes where this "
+                                   f"rank's has {size} (the ranks' control calls differ)")
+        q.sweep(rnd.seq, result.keys, below=min(struct.unpack_from("<q", records[r])[0] for r in live))
+        # Rounds in flight when a rank was taken back may have agreed to take it back too: once is enough.
+        if taken_back := [r for r in result.admitted if r not in q.live]:
+            self._admitted = tuple(sorted({*self._admitted, *taken_back}))
+        if live != q.live:
+            q.live = live
+            q.publish_live(live)
+            self._changed(live, {"step": self._step + 1, "live": list(live), "round_s": round(result.seconds, 3)})
+        end = size - rnd.tail
+        for mean in rnd.carried:
+            stop = end + len(mean.payload)
+            parts = [_from_bytes(records[r][end:stop], mean.x) if r in live else torch.zeros_like(mean.x)
+                     for r in range(self.num_workers)]
+            mean.value = _live_mean(parts, live, mean.weights)
+            end = stop
+        rnd.taken = _Taken({r: records[r][8:size - rnd.tail] for r in live}, live, extra)
 
     def take_membership(self) -> list[tuple[int, torch.Tensor]]:
         """Membership changes the survivors agreed on since the last call: (the step from which it holds, bool
@@ -1236,11 +1427,19 @@ class UdpDistComm(DistComm):
         none came first. The live ranks are that round's."""
         if self._quorum is None:
             return super().start_mean(x, weights)
-        if not deferred:
-            return Done(self.mean(x, weights))
+        if not deferred:    # a round of its own, in a control thread: a delayed mean is waited for later
+            own, like = x.contiguous().numpy().tobytes(), x.contiguous()
+            rnd = self._submit(lambda: (own, None), thread=self._quorum.seq % len(self._control_threads))
+            return _InFlight(rnd, lambda done: self._mean_of(done, like, weights))
         mean = _Carried(self, x, weights)
         self._pending.append(mean)
         return mean
+
+    def _mean_of(self, rnd: _ControlRound, like: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        taken = self._take(rnd)
+        parts = [_from_bytes(taken.parts[r], like) if r in taken.live else torch.zeros_like(like)
+                 for r in range(self.num_workers)]
+        return _live_mean(parts, taken.live, weights)
 
     def _carry_pending(self) -> None:
         """A control round for the deferred means alone."""
@@ -1258,32 +1457,24 @@ class UdpDistComm(DistComm):
         if self._quorum is None:
             dist.barrier()
         else:
-            self._quorum.round(b"")
+            self._all_gather(torch.empty(0, dtype=torch.uint8), fill=0)
 
-    def _gather_masks(self, up_obs: torch.Tensor, down_obs: torch.Tensor, proposal: float,
-                      step: int) -> tuple[LinkSample, tuple[int, ...]]:
-        """Every rank's observed masks as the run's [W, W, S] masks, and the agreed deadline of the next round;
-        with the ranks that left no record (dead): nothing reached them, and what they served counts as lost."""
-        w, nseg = up_obs.shape
-        mine = torch.cat([up_obs.reshape(-1).to(torch.uint8), down_obs.reshape(-1).to(torch.uint8),
-                          torch.frombuffer(bytearray(struct.pack("<d", proposal)), dtype=torch.uint8)])
-        def nothing_arrived(rank: int) -> torch.Tensor:     # a dead rank's record: only its own links
-            own = torch.zeros(2, w, nseg, dtype=torch.uint8)
-            own[:, rank] = 1
-            return torch.cat([own.reshape(-1), torch.zeros(8, dtype=torch.uint8)])
-
-        parts = self._all_gather(mine, fill=nothing_arrived)
+    def _masks_from(self, parts: list[torch.Tensor], shape: torch.Size, step: int,
+                    gone: tuple[int, ...]) -> LinkSample:
+        """Every rank's observed masks (:func:`_mask_record`, ``shape`` [W, S] each) as the run's [W, W, S]
+        masks, and the agreed deadline of the next round (the largest proposal). ``gone``: the ranks that left no
+        record (dead): nothing reached them, and what they served counts as lost."""
+        w, nseg = shape
         every = torch.stack(parts)                                  # [rank, 2 W S + 8]
         n = w * nseg
         # Rank r's up_obs[i, k] is up[sender i, server r, k]; its down_obs[s, k] is down[server s, worker r, k].
         up = every[:, :n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
         down = every[:, n:2 * n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
         self._deadline_s = max(struct.unpack("<d", bytes(p[2 * n:].tolist()))[0] for p in parts if p[2 * n:].any())
-        gone = self._filled if self._quorum is not None else ()
         for r in gone:
             down[r] = False
             down[r, r] = True
-        return LinkSample(step, up, down, self.segment_bytes), gone
+        return LinkSample(step, up, down, self.segment_bytes)
 
     def transport_stats(self, before: dict[str, Any] | None = None) -> dict[str, Any]:
         """The run's datagram counters summed over the ranks (a collective), plus ``before`` (the same table
@@ -1369,6 +1560,19 @@ def broadcast_object(value: object) -> object:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _mask_record(up_obs: torch.Tensor, down_obs: torch.Tensor, proposal: float) -> torch.Tensor:
+    """A rank's part of an exchange's masks round: what reached it ([W, S] each), and its deadline proposal."""
+    return torch.cat([up_obs.reshape(-1).to(torch.uint8), down_obs.reshape(-1).to(torch.uint8),
+                      torch.frombuffer(bytearray(struct.pack("<d", proposal)), dtype=torch.uint8)])
+
+
+def _nothing_arrived(rank: int, w: int, nseg: int) -> torch.Tensor:
+    """A dead rank's part of a masks round: only its own links, and no proposal."""
+    own = torch.zeros(2, w, nseg, dtype=torch.uint8)
+    own[:, rank] = 1
+    return torch.cat([own.reshape(-1), torch.zeros(8, dtype=torch.uint8)])
 
 
 def _from_bytes(data: bytes, like: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,14 @@ class _Back:
     def __init__(self, handle: Handle, device: torch.device) -> None:
         self._handle, self._device = handle, device
 
+    @property
+    def settled(self) -> bool:
+        return self._handle.settled     # type: ignore[attr-defined]  (a mean's handle: MeanHandle)
+
+    @property
+    def carried(self) -> bool:
+        return self._handle.carried     # type: ignore[attr-defined]
+
     def wait(self) -> torch.Tensor:
         return on_device(self._handle.wait(), self._device)
 
