@@ -12,8 +12,11 @@ and nothing is lost (no iptables rule): the latency is the variable.
 Every run is ``torchrun -m shaky train --backend dist --transport udp`` with 4 processes on digits, a CNN and
 batch 256 per worker (about 45 ms a step when the 4 processes share this machine's 2 cores), with
 ``dist.emulate_latency = true`` and ``network.latency_ms`` set to the latency of the column: each rank's delay
-line holds every datagram that long before it leaves (application-level emulation: the kernel here has no
-netem; gloo's control plane, which carries the per-step loss mean and the masks' all-gather, is not delayed).
+line holds every datagram that long before it leaves, and each request of a control round (the masks of each
+exchange, with the loss means riding in them) waits that long before it goes to the store rank 0 hosts and
+after its answer (application-level emulation: the kernel here has no netem). The simulated clock models the
+data plane only: a round's three round trips to rank 0 are shaky's, not the algorithms', and where no delay
+hides them they are the difference between the measured and predicted columns.
 Rows: ``allreduce`` is dts with t = 1 (a synchronous average every step over the same udp transport: the
 exchange is RPS's block average either way), dts with t = 2, 4, 8, 16 and d = 1 (an average launched every
 step, applied t - 1 steps later, running in the background meanwhile), and local SGD with tau = 8.

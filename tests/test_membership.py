@@ -223,8 +223,8 @@ def test_when_the_store_host_dies_every_rank_stops_with_one_line_and_the_run_res
 
 
 @pytest.mark.parametrize(("strategy", "setting", "per_20_steps"), [
-    ("rps", "strategy.period=1", 20), ("local-sgd", "strategy.period=1", 20), ("local-sgd", "strategy.period=5", 4),
-    ("local-sgd", "strategy.period=20", 3), ("dts", "strategy.delay=12", 20)])
+    ("rps", "strategy.period=1", 20), ("local-sgd", "strategy.period=5", 4), ("local-sgd", "strategy.period=20", 3),
+    ("dts", "strategy.delay=12", 20)])
 def test_control_rounds_are_the_exchanges_and_the_loss_means_ride_in_them(strategy: str, setting: str,
                                                                         per_20_steps: int, tmp_path: Path) -> None:
     """With live membership the control plane is rounds through the control store, each a wait on it. A step's
