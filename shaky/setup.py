@@ -257,28 +257,40 @@ def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = No
 
 def gradient_diversity(grads: torch.Tensor, comm: Comm, weights: torch.Tensor | None) -> float:
     """sum_i ||g_i||^2 / ||sum_i g_i||^2 over the live workers (Yin et al. 2018): 1/n for equal gradients."""
+    return start_gradient_diversity(grads, comm, weights)()
+
+
+def start_gradient_diversity(grads: torch.Tensor, comm: Comm,
+                             weights: torch.Tensor | None) -> Callable[[], float]:
+    """:func:`gradient_diversity`, started: its two means are deferred (with live membership they ride in the
+    next control round, an evaluation's, instead of a round each); the function returned waits for them."""
     n = comm.num_workers if weights is None else float(weights.sum())
-    mean_sq = comm.mean(grads.pow(2).sum(dim=1, keepdim=True), weights)[0, 0]
-    mean_grad = comm.mean(grads, weights)[0]
-    return float(mean_sq / (n * mean_grad.pow(2).sum()))
+    mean_sq = comm.start_mean(grads.pow(2).sum(dim=1, keepdim=True), weights, deferred=True)
+    mean_grad = comm.start_mean(grads, weights, deferred=True)
+    return lambda: float(mean_sq.wait()[0, 0] / (n * mean_grad.wait()[0].pow(2).sum()))
 
 
 def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, weights: torch.Tensor | None = None,
              chunk: int = 2048) -> dict[str, float]:
-    """Test metrics of the averaged model and of each worker, and the consensus distance (over live workers)."""
-    mean = comm.mean(params, weights)[:1]
-    consensus = comm.mean((params - mean).pow(2).sum(dim=1, keepdim=True), weights)[0, 0]
+    """Test metrics of the averaged model and of each worker, and the consensus distance (over live workers).
+    Two rounds of means: the model's with the workers' accuracies (and any other deferred mean, a gradient
+    diversity's), then the consensus distance, which needs the first."""
     x, y = setup.data.x_test, setup.data.y_test
-    avg_correct = avg_loss = 0.0
     worker_correct = torch.zeros(params.shape[0], dtype=torch.float64, device=params.device)
     per_worker = worker_logits(setup.grad_fn, setup.forward_fn)
+    with torch.no_grad():
+        for s in range(0, len(y), chunk):
+            worker_correct += (per_worker(params, x[s:s + chunk]).argmax(-1) == y[s:s + chunk]).sum(dim=1).double()
+    started = comm.start_mean(params, weights, deferred=True)
+    worker_acc = comm.start_mean((worker_correct / len(y))[:, None], weights, deferred=True)
+    mean = started.wait()[:1]
+    consensus = comm.mean((params - mean).pow(2).sum(dim=1, keepdim=True), weights)[0, 0]
+    avg_correct = avg_loss = 0.0
     with torch.no_grad():
         for s in range(0, len(y), chunk):
             xs, ys = x[s:s + chunk], y[s:s + chunk]
             out = setup.forward_fn(mean[0], xs)
             avg_loss += float(F.cross_entropy(out, ys, reduction="sum"))
             avg_correct += float((out.argmax(-1) == ys).sum())
-            worker_correct += (per_worker(params, xs).argmax(-1) == ys).sum(dim=1).double()
-    worker_acc = comm.mean((worker_correct / len(y))[:, None], weights)[0, 0]
     return {"test_accuracy": avg_correct / len(y), "test_loss": avg_loss / len(y),
-            "worker_test_accuracy": float(worker_acc), "consensus_distance": float(consensus)}
+            "worker_test_accuracy": float(worker_acc.wait()[0, 0]), "consensus_distance": float(consensus)}

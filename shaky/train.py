@@ -33,7 +33,7 @@ from shaky.progress import Progress
 from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, append_metrics, create, load_checkpoint,
                           load_run_config, new_run_dir, read_metrics, save_checkpoint, truncate_metrics)
 from shaky.sampler import BatchSampler
-from shaky.setup import Setup, evaluate, gradient_diversity, prepare
+from shaky.setup import Setup, evaluate, prepare, start_gradient_diversity
 from shaky.strategies import AverageModels, Strategy, sample_weights
 from shaky.strategies.exchange import StepStats, observed
 from shaky.strategies.state import map_rejoined, map_rows, map_synced, zip_rows
@@ -424,13 +424,16 @@ class _Metrics:
         c, cfg, setup = self.counters, self.setup.cfg, self.setup
         live = self.members.live(max(c.step - 1, 0))
         covered = None if self.held is None else set().union(*(h for h, a in zip(self.held, live.tolist()) if a))
+        # The diversity's means ride in the evaluation's first round (two rounds in all, with live membership).
+        diversity = None if grads is None else start_gradient_diversity(grads, self.comm, live_weights)
+        evaluated = evaluate(setup, params, self.comm, live_weights)
         row = {"step": c.step, "sim_time_s": c.sim_time_s, "bytes_sent": c.bytes_sent,
                "messages_sent": c.messages_sent, "messages_dropped": c.messages_dropped,
                "comm_rounds": c.comm_rounds, "live_workers": int(live.sum()),
                "coverage": 1.0 if covered is None else len(covered) / len(setup.data.y_train),
-               "gradient_diversity": None if grads is None else gradient_diversity(grads, self.comm, live_weights),
+               "gradient_diversity": None if diversity is None else diversity(),
                "train_loss": c.train_loss_sum / c.train_loss_count if c.train_loss_count else None,
-               **evaluate(setup, params, self.comm, live_weights),
+               **evaluated,
                "lr": setup.strategy.opt.lr(max(c.step - 1, 0)),
                "wall_time_s": c.wall_time_s + time.perf_counter() - self.t_start}
         if self.writer:
