@@ -612,11 +612,11 @@ class _Quorum:
     a lighthouse), and a rank that finds its own key tombstoned knows it was left out. Rounds may run at once
     (the comm's control threads: a delayed exchange's round runs while the next ones start), each in its
     thread's client (:meth:`client`); the comm takes them in in order, and a rank stays live while every round
-    holds its record. Every value it writes is sealed with the run's key (:meth:`seal`): the store takes writes from whoever
-    reaches it, and a value that does not verify stops the rank (ForgedRecord). The common round is two store
-    requests, three round trips (the write, and one ``multi_get``, which waits for the others' keys and then
-    reads them); the old rounds' keys are deleted by a thread with a store client of its own, off the round's
-    path.
+    holds its record. Every value it writes is sealed with the run's key (:meth:`seal`): the store takes writes
+    from whoever reaches it, and a value that does not verify stops the rank (ForgedRecord). The common round
+    is two store requests, three round trips (the write, and one ``multi_get``, which waits for the others' keys
+    and then reads them); the old rounds' keys are deleted by a thread with a store client of its own, off the
+    round's path.
     """
 
     def __init__(self, silent_s: Callable[[int], float], rank: int, num_workers: int, prefix: str, timeout_s: float,
@@ -807,6 +807,11 @@ class _Quorum:
             if self.rank == included[0]:
                 mine.append(f"{key}/admit")
         return _RoundResult(records, admitted, mine, time.perf_counter() - t0)
+
+    def connect(self) -> None:
+        """Opens this thread's client of the store now, at the start: opening a TCP connection is the one
+        request whose loss waits seconds (SYN is resent after 1 s, then 2)."""
+        self.client()
 
 
     def _hold(self, times: int) -> None:
@@ -1038,6 +1043,9 @@ class UdpDistComm(DistComm):
             self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, self._control.timeout_s, self._control.address,
             key, run_id, latency_s=latency_s[0] if latency_s and me != 0 else 0.0)
         self.watching = self._quorum is not None
+        if self._quorum is not None:    # every thread that runs rounds, connected before the first
+            for done in [pool.submit(self._quorum.connect) for pool in self._control_threads]:
+                done.result()
         self._changes: list[tuple[int, torch.Tensor]] = []
         self._pending: list[_Carried] = []
         """Deferred means waiting for the next control round (:meth:`start_mean`)."""
