@@ -264,9 +264,10 @@ class _LossMeans:
     at each average), so steps that exchange nothing make no round. It is waited for at the latest
     :data:`MAX_PENDING_LOSSES` steps after it started (unless a round on its way carries it: a delayed
     exchange's, which brings it in when the exchange is applied, t - 1 steps on), and at an evaluation, a
-    checkpoint, the end, and before ranks are taken back (``settle``): on gloo, where an all-reduce's completion is not alike on every rank,
-    only then. Any rank's signal in a mean taken in stops every rank after the same step; a rank that received
-    none reports SIGTERM. On the simulator the signal is this process's own, at every step.
+    checkpoint, the end, and before ranks are taken back (``settle``): on gloo, where an all-reduce's
+    completion is not alike on every rank, only then. Any rank's signal in a mean taken in stops every rank
+    after the same step; a rank that received none reports SIGTERM. On the simulator the signal is this
+    process's own, at every step.
     """
 
     def __init__(self, comm: Comm, signals: SignalWatch) -> None:
