@@ -1346,8 +1346,7 @@ class UdpDistComm(DistComm):
         them at the same points) and whether it may take ranks back, all fixed here, on the training loop's
         thread. ``own()`` gives this rank's part of the record and what the round carries back to the caller;
         it runs, with the round, in control thread ``thread`` (None: here, at once)."""
-        q = self._quorum
-        assert q is not None
+        q = self._rounds_quorum()
         carried, self._pending = self._pending, []
         admit, self._admitting = self._admitting, False
         # Each record starts with the first round this rank has not taken in: a round every survivor has taken
@@ -1372,6 +1371,11 @@ class UdpDistComm(DistComm):
             rnd.future = self._control_threads[thread].submit(run)
         return rnd
 
+    def _rounds_quorum(self) -> _Quorum:
+        if self._quorum is None:    # a programming error: gloo's control plane makes no rounds
+            raise RuntimeError("control rounds need live membership (heartbeat_timeout_s)")
+        return self._quorum
+
     def _take(self, rnd: _ControlRound) -> _Taken:
         """Round ``rnd``, taken in, with every round submitted before it (waiting for them), in order."""
         while rnd.taken is None:
@@ -1390,8 +1394,7 @@ class UdpDistComm(DistComm):
         A membership change holds from the next step."""
         result, extra = rnd.future.result()
         self._rounds.popleft()
-        q, records = self._quorum, result.records
-        assert q is not None
+        q, records = self._rounds_quorum(), result.records
         size = len(records[self.rank])
         live = tuple(r for r in q.live if r in records)
         for r in live:
@@ -1409,9 +1412,7 @@ class UdpDistComm(DistComm):
         end = size - rnd.tail
         for mean in rnd.carried:
             stop = end + len(mean.payload)
-            parts = [_from_bytes(records[r][end:stop], mean.x) if r in live else torch.zeros_like(mean.x)
-                     for r in range(self.num_workers)]
-            mean.value = _live_mean(parts, live, mean.weights)
+            mean.value = self._mean_from({r: records[r][end:stop] for r in live}, mean.x, mean.weights)
             end = stop
         rnd.taken = _Taken({r: records[r][8:size - rnd.tail] for r in live}, live, extra)
 
@@ -1444,10 +1445,12 @@ class UdpDistComm(DistComm):
         return mean
 
     def _mean_of(self, rnd: _ControlRound, like: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-        taken = self._take(rnd)
-        parts = [_from_bytes(taken.parts[r], like) if r in taken.live else torch.zeros_like(like)
-                 for r in range(self.num_workers)]
-        return _live_mean(parts, taken.live, weights)
+        return self._mean_from(self._take(rnd).parts, like, weights)
+
+    def _mean_from(self, parts: dict[int, bytes], like: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The mean of the live ranks' values (``parts``, by rank, as bytes of ``like``'s shape and dtype)."""
+        rows = [_from_bytes(parts[r], like) if r in parts else torch.zeros_like(like) for r in range(self.num_workers)]
+        return _live_mean(rows, sorted(parts), weights)
 
     def _carry_pending(self) -> None:
         """A control round for the deferred means alone."""
