@@ -345,12 +345,18 @@ def test_a_control_record_written_from_outside_the_run_stops_the_rank_and_is_nev
     attacker.set("forged/0/1", b"R" + b"evil" + bytes(16))
     with pytest.raises(ForgedRecord, match="'forged/0/1' does not verify"):
         play(quorum(0, "forged"), b"mine")
-    # A forged tombstone in rank 0's own key: not taken for being left out.
+    # A forged tombstone in rank 0's own key, before rank 0's record: not taken for being left out, by either.
     attacker.set("tomb/0/0", b"D" + bytes(16))
+    raised: list[BaseException] = []
+    thread = threading.Thread(target=lambda: raised.append(pytest.raises(ForgedRecord, play, quorum(1, "tomb"),
+                                                                          b"from 1").value))
+    thread.start()
     with pytest.raises(ForgedRecord, match="'tomb/0/0' does not verify"):
         play(quorum(0, "tomb"), b"mine")
+    thread.join(timeout=10)
+    assert len(raised) == 1 and "'tomb/0/0' does not verify" in str(raised[0]), raised
     # A genuine record replayed under another key (another round) does not verify there either.
-    attacker.set("replay/0/1", quorum(1, "replay").seal("replay/0/1", b"R" + b"round 0 of rank 1"))
+    attacker.set("replay/0/1", quorum(1, "replay").entry("replay/0/1", b"R" + b"round 0 of rank 1"))
     attacker.set("replay/1/1", attacker.get("honest/0/1"))
     zero = quorum(0, "replay")
     play(zero, b"round 0")      # the record sealed for replay/0/1 verifies there

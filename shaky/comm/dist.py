@@ -603,20 +603,21 @@ class ForgedRecord(RuntimeError):
 class _Quorum:
     """The udp transport's control plane when ranks may die: rounds of small records in the control store.
 
-    Every live rank writes its record of a round under a key of its own, with ``compare_set`` from empty: a
-    key is written once. A rank waits for the other live ranks' keys, but only until the first of their ranks
-    could be stale; a rank whose heartbeat (a thread of its own, independent of its training loop) has not
-    moved for ``timeout_s`` is declared dead by writing a tombstone into its key, with the same
-    ``compare_set``. Either its record or the tombstone was written first, and every rank reads the same: each
-    round ends with the same records on every survivor (torchft's quorum, with a store key per rank in place of
-    a lighthouse), and a rank that finds its own key tombstoned knows it was left out. Rounds may run at once
-    (the comm's control threads: a delayed exchange's round runs while the next ones start), each in its
-    thread's client (:meth:`client`); the comm takes them in in order, and a rank stays live while every round
-    holds its record. Every value it writes is sealed with the run's key (:meth:`seal`): the store takes writes
-    from whoever reaches it, and a value that does not verify stops the rank (ForgedRecord). The common round
-    is two store requests, three round trips (the write, and one ``multi_get``, which waits for the others' keys
-    and then reads them); the old rounds' keys are deleted by a thread with a store client of its own, off the
-    round's path.
+    Every live rank appends its record of a round to a key of its own, and the key's first entry decides it
+    (:meth:`entry`, :meth:`first`). A rank waits for the other live ranks' keys, but only until the first of
+    their ranks could be stale; a rank whose heartbeat (a thread of its own, independent of its training loop)
+    has not moved for ``timeout_s`` is declared dead by appending a tombstone to its key. Either its record or
+    the tombstone came first, the store holds them in that order, and every rank reads the same: each round
+    ends with the same records on every survivor (torchft's quorum, with a store key per rank in place of a
+    lighthouse), and a rank that finds its own key's first entry a tombstone knows it was left out. Rounds may
+    run at once (the comm's control threads: a delayed exchange's round runs while the next ones start), each
+    in its thread's client (:meth:`client`); the comm takes them in in order, and a rank stays live while every
+    round holds its record. Every value it writes is sealed with the run's key (:meth:`seal`): the store takes
+    writes from whoever reaches it, and a value that does not verify stops the rank (ForgedRecord). The common
+    round is two store requests on one connection, two round trips: the append, which has no answer, and one
+    ``multi_get`` sent right behind it, which waits for every key of the round (this rank's own is there: the
+    store serves a connection's requests in order) and then reads them. The old rounds' keys are deleted by a
+    thread with a store client of its own, off the round's path.
     """
 
     def __init__(self, silent_s: Callable[[int], float], rank: int, num_workers: int, prefix: str, timeout_s: float,
@@ -625,8 +626,8 @@ class _Quorum:
         host, port = address      # the control store's (:class:`_ControlStore`)
         self._latency_s = latency_s
         """The one-way latency to emulate between this rank and the store (``dist.emulate_latency``): a round's
-        write waits it before it goes and after its answer, its read before it goes and three times after its
-        answer (a ``multi_get`` is a wait, then a read: two round trips)."""
+        append and read wait it once before they go (together), and three times after the read's answer (a
+        ``multi_get`` is a wait, then a read: two round trips)."""
         self._key, self._run, self._address = key, run_id.to_bytes(8, "big"), f"{host}:{port}"
         # A client of its own: its waits block it, and the heartbeat thread must never wait behind them.
         self._store_timeout = timedelta(seconds=store_timeout_s)
@@ -752,15 +753,11 @@ class _Quorum:
         each step)."""
         store, key = self.client(), f"{self.prefix}/{seq}"
         t0 = time.perf_counter()
-        sealed = self.seal(f"{key}/{self.rank}", _RECORD + record)
-        self._hold(1)
-        got = store.compare_set(f"{key}/{self.rank}", "", sealed)
-        self._hold(1)
-        if got != sealed:
-            self.opened(f"{key}/{self.rank}", got)      # a tombstone, unless forged
-            raise self._left_behind()       # the others declared this rank dead first
-        others = [r for r in live if r != self.rank]
-        missing, values = others, None      # values: the others' keys, read (in their order)
+        ranks = [self.rank, *(r for r in live if r != self.rank)]      # this rank's own key read first
+        keys = [f"{key}/{r}" for r in ranks]
+        self._hold(1)       # the append goes with the multi_get's first request: no answer of its own
+        store.append(keys[0], self.entry(keys[0], _RECORD + record))
+        missing, values = ranks[1:], None       # values: every key of the round, read (in ``ranks``' order)
         replaced: set[int] = set()      # missing ranks for which a new process asks to be taken back
         while missing:
             # Wait for the records of the ranks whose heartbeat still moves, until the first of them would be
@@ -770,9 +767,8 @@ class _Quorum:
                 break                               # every rank still missing is dead
             try:
                 until = timedelta(seconds=max(0.05, min(self.timeout_s - self._silent_s(r) for r in pending)))
-                if pending == others:   # the common round: a multi_get waits for its keys, then reads them
-                    self._hold(1)
-                    values, missing = self._multi_get(store, [f"{key}/{r}" for r in others], until), []
+                if pending == ranks[1:]:    # the common round: a multi_get waits for its keys, then reads them
+                    values, missing = self._multi_get(store, keys, until), []
                     self._hold(3)
                 else:
                     store.wait([f"{key}/{r}" for r in pending], until)
@@ -784,17 +780,19 @@ class _Quorum:
                 replaced |= {r for r in missing if store.check([self.join_key(r)])}
         if missing:
             self._check_still_live(store)
-        for r in missing:   # dead: unless its record came first (then the reply is the record, and it counts)
-            store.compare_set(f"{key}/{r}", "", self.seal(f"{key}/{r}", _DEAD))
+        for r in missing:   # dead: unless its record came first (then the key's first entry is the record)
+            store.append(f"{key}/{r}", self.entry(f"{key}/{r}", _DEAD))
         if values is None:
-            values = store.multi_get([f"{key}/{r}" for r in others]) if others else []
-        records = {self.rank: record}
-        for r, value in zip(others, values, strict=True):
-            value = self.opened(f"{key}/{r}", value)
+            values = store.multi_get(keys)
+        records: dict[int, bytes] = {}
+        for r, name, value in zip(ranks, keys, values, strict=True):
+            value = self.first(name, value)
             if value[:1] == _RECORD:
                 records[r] = value[1:]
+        if self.rank not in records:
+            raise self._left_behind()       # the others declared this rank dead first
         included = tuple(sorted(records))
-        mine = [f"{key}/{self.rank}"]
+        mine = [keys[0]]
         if self.rank == included[0]:      # the lowest survivor deletes what the dead left in the round
             mine += [f"{key}/{r}" for r in live if r not in records]
         admitted: tuple[int, ...] = ()
@@ -807,6 +805,19 @@ class _Quorum:
             if self.rank == included[0]:
                 mine.append(f"{key}/admit")
         return _RoundResult(records, admitted, mine, time.perf_counter() - t0)
+
+    def entry(self, name: str, value: bytes) -> bytes:
+        """``value`` sealed for the key ``name`` (:meth:`seal`) and framed to be appended to it: its length in
+        four bytes, then the sealed value."""
+        sealed = self.seal(name, value)
+        return len(sealed).to_bytes(_FRAME_BYTES, "big") + sealed
+
+    def first(self, name: str, appended: bytes) -> bytes:
+        """The value of the first entry (:meth:`entry`) appended to the key ``name``, which decides the key;
+        ForgedRecord where it does not verify, or is not an entry."""
+        size = int.from_bytes(appended[:_FRAME_BYTES], "big")
+        whole = len(appended) >= _FRAME_BYTES + size
+        return self.opened(name, appended[_FRAME_BYTES:_FRAME_BYTES + size] if whole else b"")
 
     def connect(self) -> None:
         """Opens this thread's client of the store now, at the start: opening a TCP connection is the one
@@ -843,9 +854,11 @@ class _RoundResult(NamedTuple):
 
 _SEAL_BYTES = 16
 """The tag that follows every value the control plane writes (:meth:`_Quorum.seal`)."""
+_FRAME_BYTES = 4
+"""The length before each entry appended to a control round's key (:meth:`_Quorum.entry`)."""
 _RECORD, _DEAD = b"R", b"D"
-"""The first byte of a control round's key: a rank's record follows, or the rank was declared dead (a key is
-written once, with ``compare_set`` from empty: a record of no bytes is still not empty)."""
+"""The first byte of an entry of a control round's key: a rank's record follows, or the rank was declared dead
+(the key's first entry decides which)."""
 
 
 class _ControlStore:
@@ -1021,7 +1034,7 @@ class UdpDistComm(DistComm):
         self._control_threads = [] if self._control is None else [
             ThreadPoolExecutor(1, thread_name_prefix=f"shaky-udp-control{k}") for k in range(lanes)]
         """With live membership: a thread for each lane that runs its exchanges' control rounds once they are done,
-        so that a delayed exchange's round (three round trips to rank 0's store) is hidden by the steps too."""
+        so that a delayed exchange's round (two round trips to rank 0's store) is hidden by the steps too."""
         self._completed: list[tuple[int, LinkSample]] = []
         self._step = 0
         self.segment_bytes = self.exchange.segment_bytes
@@ -1506,7 +1519,7 @@ class UdpDistComm(DistComm):
         out["observed_loss"] = 1 - out["datagrams_received"] / expected if expected else 0.0
         if self._quorum is not None:
             out["membership_changes"] = [*(before or {}).get("membership_changes", []), *self.membership_log]
-            # Each is a wait on the control store (three round trips): what a step costs on a WAN.
+            # Each is a wait on the control store (two round trips): what a step costs on a WAN.
             out["control_rounds"] = int((before or {}).get("control_rounds", 0)) + self._quorum.seq
             out["store_rto_min_ms"] = self._quorum.store_rto_min_ms     # this rank's (None: the kernel's 200 ms)
         return out
