@@ -15,7 +15,7 @@ batch 256 per worker (about 45 ms a step when the 4 processes share this machine
 line holds every datagram that long before it leaves, and each request of a control round (the masks of each
 exchange, with the loss means riding in them) waits that long before it goes to the store rank 0 hosts and
 after its answer (application-level emulation: the kernel here has no netem). The simulated clock models the
-data plane only: a round's three round trips to rank 0 are shaky's, not the algorithms', and where no delay
+data plane only: a round's two round trips to rank 0 are shaky's, not the algorithms', and where no delay
 hides them they are the difference between the measured and predicted columns.
 Rows: ``allreduce`` is dts with t = 1 (a synchronous average every step over the same udp transport: the
 exchange is RPS's block average either way), dts with t = 2, 4, 8, 16 and d = 1 (an average launched every
