@@ -121,7 +121,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     batch_mask = sampler.mask.to(setup.device, setup.dtype)
     members = FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps, sample_weights(cfg))
     clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms,
-                  exchange_compute_ms=cfg.network.exchange_compute_ms)
+                  exchange_compute_ms=cfg.network.exchange_compute_ms, control_round_trips=comm.control_round_trips)
     masks = _Masks(MaskLog(cfg.num_workers, cfg.steps), observing=_observes_losses(cfg))
     if welcome is not None:
         params, state, counters = _rejoin(setup, welcome, clock, masks, members)

@@ -83,7 +83,8 @@ def test_a_delayed_exchange_in_the_background_replays_in_the_simulator(tmp_path:
     links with an emulated one-way latency of 20 ms and 10% of the datagrams really lost, with a checkpoint
     (every exchange in flight then completes early) and the run's end (three in flight) in between. The trace
     holds each exchange's masks at the step that launched it, so the simulator's replay ends at the same
-    parameters (allclose 1e-5) with the same losses; the time spent waiting is in the summary."""
+    parameters (allclose 1e-5) with the same losses; the time spent waiting is in the summary, and the run's
+    simulated clock counts the control rounds that the replay, on gloo, does not have."""
     out = tmp_path / "dts"
     args = ("--strategy", "dts", "--set", "strategy.delay=4", "--steps", "40", "--eval-every", "20",
             "--checkpoint-every", "15", "--set", "network.latency_ms=20", "--set", "dist.emulate_latency=true")
@@ -105,6 +106,9 @@ def test_a_delayed_exchange_in_the_background_replays_in_the_simulator(tmp_path:
                                rtol=1e-5, atol=1e-5)
     assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
     assert read_summary(replay)["wait_s"] is None
+    # The run's simulated clock counts each exchange's control round (two round trips to rank 0, 80 ms here),
+    # which the replay on gloo has none of: with t = 4 every four steps wait for one, about 0.8 s in 40 steps.
+    assert summary["sim_time_s"] - read_summary(replay)["sim_time_s"] > 0.4, (summary, read_summary(replay))
 
 
 def test_an_attacker_on_the_path_changes_nothing(tmp_path: Path) -> None:

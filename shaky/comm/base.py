@@ -109,6 +109,10 @@ class Comm(Protocol):
     """int64 [w]: the global worker index of each local row."""
     wait_s: float
     """Seconds spent blocked waiting for exchanges (0 where they complete at once, as in the simulator)."""
+    control_round_trips: int
+    """Round trips to a control store that rank 0 hosts, which every exchange waits for after its messages: 2
+    on the udp transport with live membership (its masks' agreement), 0 elsewhere. The simulated clock counts
+    them (``shaky.network.clock.control_round_seconds``)."""
 
     def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Exact average over all W workers (a reliable all-reduce), returned on every local row.

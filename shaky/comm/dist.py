@@ -169,6 +169,7 @@ class DistComm:
         self._data_thread: ThreadPoolExecutor | None = None
         self.wait_s = 0.0
         """Seconds spent blocked waiting for exchanges (a gloo block average blocks for all of it)."""
+        self.control_round_trips = 0
         # A heartbeat in the rendezvous store, from a thread: after a collective fails, the ranks whose
         # heartbeat stopped are the ones that died (a kill -9, a crash, a SIGSTOP), whatever step they reached.
         self._beating = threading.Event()
@@ -598,6 +599,11 @@ class LeftBehind(RuntimeError):
 class ForgedRecord(RuntimeError):
     """A value in the control store did not verify against the run's key: something outside the run wrote it.
     The rank stops rather than average it (the store, torch's TCPStore, takes writes from whoever reaches it)."""
+
+
+CONTROL_ROUND_TRIPS = 2
+"""Round trips to rank 0's control store in a common round (:meth:`_Quorum.round`): the append goes with the
+read's wait, whose answer comes when every rank's record is in, then the read."""
 
 
 class _Quorum:
@@ -1056,6 +1062,7 @@ class UdpDistComm(DistComm):
             self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, self._control.timeout_s, self._control.address,
             key, run_id, latency_s=latency_s[0] if latency_s and me != 0 else 0.0)
         self.watching = self._quorum is not None
+        self.control_round_trips = 0 if self._quorum is None else CONTROL_ROUND_TRIPS
         if self._quorum is not None:    # every thread that runs rounds, connected before the first
             for done in [pool.submit(self._quorum.connect) for pool in self._control_threads]:
                 done.result()

@@ -60,6 +60,7 @@ class SimComm:
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
         self.wait_s = 0.0   # every exchange completes when it starts
+        self.control_round_trips = 0
         self.rows = torch.arange(num_workers)
 
     def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

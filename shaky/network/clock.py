@@ -139,13 +139,16 @@ class Clock:
     """Accumulates simulated seconds from compute time and each step's exchanges."""
 
     def __init__(self, network: NetworkModel, compute_ms: float, retransmit_timeout_ms: float, *,
-                 exchange_compute_ms: float = 0.0) -> None:
+                 exchange_compute_ms: float = 0.0, control_round_trips: int = 0) -> None:
         self.latency_s = network.latency_ms / 1e3
         self.bytes_per_s = network.bandwidth_mbps * 1e6 / 8
         self.compute_s = compute_ms / 1e3
         self.exchange_compute_s = exchange_compute_ms / 1e3
         """Compute that launching an exchange adds to its step (a software data plane's CPU)."""
         self.rto_s = retransmit_timeout_ms / 1e3
+        self.control_round_s = control_round_seconds(network.latency_ms, control_round_trips)
+        """What each exchange waits after its messages for the transport's control round (the comm's
+        ``control_round_trips``; 0 where it has none): latency only, the ports stay free for the next exchange."""
         self.state = ClockState()
         self.last_wait_s = 0.0
         """Seconds the last step waited, past its compute, for the exchanges due at its end."""
@@ -202,7 +205,8 @@ class Clock:
         """Simulates one step that launches the exchange ``phases`` (none if empty); returns the time after it."""
         if not phases:
             return self.tick(None, delay)
-        return self.tick(self.exchange_seconds(phases), delay, busy_s=self.busy_seconds(phases))
+        return self.tick(self.exchange_seconds(phases) + self.control_round_s, delay,
+                         busy_s=self.busy_seconds(phases))
 
     def tick(self, exchange_s: float | None, delay: int = 1, *, busy_s: float | None = None) -> float:
         """One step: compute, launch an exchange lasting ``exchange_s`` (None: none), wait for what is due.
@@ -228,6 +232,24 @@ class Clock:
         self.state = ClockState(s.step + 1, end, network_free, tuple(p for p in pending if p[0] > s.step))
         self.last_wait_s = end - compute_end
         return end
+
+
+def control_round_seconds(latency_ms: np.ndarray | float, round_trips: int) -> float:
+    """Seconds of a control round of ``round_trips`` round trips between every rank and a store that rank 0
+    hosts, under the network's one-way latencies (ms, a number or [W, W]: ``[r, 0]`` from rank r to rank 0).
+
+    Every rank sends its first request at once, and the store answers it when every rank's has arrived; the
+    other round trips follow. Rank r's round: max over s of ``L[s, 0]``, then ``L[0, r]`` for the answer, then
+    ``round_trips - 1`` times ``L[r, 0] + L[0, r]``; the round is the slowest rank's. The udp transport's is two
+    round trips (an append with the read right behind it, the read's wait, then the read itself).
+    """
+    if round_trips <= 0:
+        return 0.0
+    lat = np.asarray(latency_ms, dtype=np.float64) / 1e3
+    if lat.ndim == 0:
+        return float(lat) * 2 * round_trips
+    to_store, back = lat[:, 0], lat[0, :]
+    return float((to_store.max() + back + (round_trips - 1) * (to_store + back)).max())
 
 
 def scalability(clock: Clock, exchange_s: float | None, *, period: int = 1, delay: int = 1,
