@@ -1,4 +1,5 @@
-"""The command line: ``shaky train``, ``shaky demo``, ``shaky scale``, ``shaky sweep`` and ``shaky report``.
+"""The command line: ``shaky train``, ``shaky launch``, ``shaky demo``, ``shaky scale``, ``shaky sweep`` and
+``shaky report``.
 
 Bad input (a setting that does not exist, a value out of range, a data path
 that cannot be read) prints one line naming the setting and the value and exits
@@ -101,6 +102,28 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", metavar="DIR", help="run directory (default runs/<dataset>-<model>-<strategy>-...)")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
     train.add_argument("--quiet", action="store_true", help="no progress output")
+
+    launch = sub.add_parser(
+        "launch", help="start the ranks of a dist run here, and start a rank that dies again",
+        usage="shaky launch [options] train [shaky train's arguments]",
+        description="Starts this machine's ranks of `shaky train --backend dist ...` as torchrun does (RANK, "
+        "WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but a rank that dies leaves the others running and, with "
+        "--max-restarts, is started again: on --transport udp the survivors train on and take it back. "
+        "Rank 0 hosts the run's stores and is never started again.")
+    launch.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
+                        help="rank processes to start on this machine")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="how many times each rank other than 0 may be started again (default 0)")
+    launch.add_argument("--nnodes", type=int, default=1, metavar="N",
+                        help="machines in the run, each running shaky launch (default 1)")
+    launch.add_argument("--node-rank", type=int, default=0, metavar="I",
+                        help="this machine's place among them, 0 on rank 0's (default 0)")
+    launch.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+                        help="rank 0's machine (default 127.0.0.1)")
+    launch.add_argument("--master-port", type=int, default=0, metavar="PORT",
+                        help="the rendezvous store's port (default: a free one; required with --nnodes > 1)")
+    launch.add_argument("train_args", nargs=argparse.REMAINDER, metavar="train ...",
+                        help="train, then shaky train's arguments")
 
     demo = sub.add_parser("demo", help="MLP on digits, 8 workers, 4 runs: allreduce at drop 0 and at drop 0.1, "
                           "rps and lossy-allreduce at drop 0.1")
@@ -251,7 +274,21 @@ def _stopping(run_dir: Path, command: str, *, writer: bool = True) -> Iterator[N
         raise Stop(f"error: {exc}; last checkpoint: {_checkpoint_note(run_dir, command)}", 1) from None
 
 
-def _checkpoint_note(run_dir: Path, command: str = "torchrun ... -m shaky train") -> str:
+def _launcher() -> str:
+    """What started this rank: ``shaky launch`` (which says so in LAUNCHED_BY) or torchrun."""
+    from shaky.launch import LAUNCHED_BY  # noqa: PLC0415
+
+    return "shaky launch" if os.environ.get(LAUNCHED_BY) else "torchrun"
+
+
+def _dist_command() -> str:
+    """How a rank's command line is written in the lines that say how to go on."""
+    from shaky.launch import LAUNCHED_BY  # noqa: PLC0415
+
+    return os.environ.get(LAUNCHED_BY) or "torchrun ... -m shaky train"
+
+
+def _checkpoint_note(run_dir: Path, command: str) -> str:
     from shaky.rundir import CHECKPOINT_FILE, load_checkpoint  # noqa: PLC0415
 
     path = run_dir / CHECKPOINT_FILE
@@ -309,7 +346,7 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
             print(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}, "
                   f"{comm.join_wait_s:.2f} s after asking", file=sys.stderr, flush=True)
         comm = _staged(comm, setup)
-        with _stopping(run_dir, "torchrun ... -m shaky train", writer=False):
+        with _stopping(run_dir, _dist_command(), writer=False):
             train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
                   faults=_faults(), welcome=welcome)
         comm.barrier()
@@ -357,7 +394,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         raise BadInput(str(exc)) from None
     try:
         if dist.get_world_size() != cfg.num_workers:
-            raise BadInput(f"num_workers is {cfg.num_workers} but torchrun started {dist.get_world_size()} "
+            raise BadInput(f"num_workers is {cfg.num_workers} but {_launcher()} started {dist.get_world_size()} "
                            "processes; they must match (one worker per process)")
         if cfg.dist.transport == "udp":   # a lane for each exchange a delay keeps in flight, and the next one
             slots = setup.strategy.exchange.schedule.slots
@@ -386,7 +423,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         comm.publish_run({"run_dir": str(run_dir.resolve()), "compute_ms": setup.compute_ms,
                           "config": to_dict(cfg), "transport": cfg.dist.transport})
     try:
-        with _stopping(run_dir, "torchrun ... -m shaky train", writer=writer):
+        with _stopping(run_dir, _dist_command(), writer=writer):
             summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
                             label=cfg.strategy.name, progress=not args.quiet, faults=_faults())
         if writer:
@@ -394,14 +431,14 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
         comm.barrier()
     except (LeftBehind, ForgedRecord) as exc:
-        print(f"shaky: error: {exc}; last checkpoint: {_checkpoint_note(run_dir)}", file=sys.stderr)
+        print(f"shaky: error: {exc}; last checkpoint: {_checkpoint_note(run_dir, _dist_command())}", file=sys.stderr)
         return 3
     except (RuntimeError, dist.DistBackendError) as exc:
         found = comm.diagnose_failure(cfg.dist_timeout_s)
         who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
                "rank 0, which hosts the run's store, is gone")
         print(f"shaky: error: {who} (rank {comm.rank} saw: {' '.join(str(exc).split())[:100]}); "
-              f"last checkpoint: {_checkpoint_note(run_dir)}", file=sys.stderr)
+              f"last checkpoint: {_checkpoint_note(run_dir, _dist_command())}", file=sys.stderr)
         return 3
     finally:
         comm.close()
@@ -730,6 +767,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from shaky.launch import Launcher, LaunchConfig, train_command  # noqa: PLC0415
+
+    try:
+        cfg = LaunchConfig(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                           master_addr=args.master_addr, master_port=args.master_port,
+                           max_restarts=args.max_restarts)
+        train_args = train_command(args.train_args)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    return Launcher(cfg, train_args).run()
+
+
 def process_settings(*, shared_cores: bool = False) -> None:
     """The process-wide settings of a shaky command (docs/performance.md has the measurements behind them).
 
@@ -766,6 +816,8 @@ def _shares_cores(args: argparse.Namespace) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
+        if args.command == "launch":    # starts and watches processes: no torch, no process settings here
+            return cmd_launch(args)
         with exiting():  # seconds of loading torch and scikit-learn, before anything is written
             process_settings(shared_cores=_shares_cores(args))
             import shaky.data  # noqa: F401, PLC0415 (scikit-learn, scipy)

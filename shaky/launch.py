@@ -1,0 +1,247 @@
+"""``shaky launch``: start the ranks of a dist run on this machine, and start a rank that dies again.
+
+torchrun's agent treats a worker that exits as the failure of the whole group: it stops every other worker on
+its machine (or restarts them all). On the udp transport shaky's survivors train on without a dead rank, and
+a process started again for it is taken back (README, "Survivors train on"), so a launcher for it must leave
+the survivors alone and start only the dead rank again. That is all this module does; the rank processes are
+``shaky train`` processes started as torchrun starts them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR, MASTER_PORT), so nothing in them knows which launcher started them. On one
+machine the launcher also makes the run's udp key and hands it to its ranks in their environment
+(``SHAKY_KEY``, unless set), so that it never travels through the rendezvous store.
+
+Rules, in :func:`restart_decision`: a rank whose process is killed by a signal or exits with a status other
+than 0, 2 (bad input: a new process would find the same) or 128 + SIGINT/SIGTERM (stopped on request) is
+started again, at most ``max_restarts`` times per rank, while rank 0 runs (rank 0 hosts the run's stores and
+writes the run directory: it cannot be taken back, and when it has ended there is no run to rejoin). Rank 0
+itself is never started again. SIGINT and SIGTERM to the launcher are passed on to every rank (each stops
+after the same step with a checkpoint, as under torchrun); the ranks run in a session of their own, so a
+terminal's Ctrl-C reaches them once, through the launcher, and they get SIGTERM if the launcher itself dies.
+
+No torch here: the launcher only starts and watches processes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+EXIT_BAD_INPUT = 2
+POLL_S = 0.05
+"""How often the launcher looks at its ranks (a restart waits at most this long to start)."""
+_PR_SET_PDEATHSIG = 1
+RANK0_STAYS_DOWN = "rank 0 hosts the run's stores and writes its directory: it cannot be taken back"
+NO_RESTARTS_LEFT = "it has no restarts left"
+LAUNCHED_BY = "SHAKY_LAUNCHED_BY"
+"""Set in each rank's environment: the launcher's command line up to ``train`` (a rank's lines that say how to
+resume quote it)."""
+KEY_ENV = "SHAKY_KEY"
+"""The udp transport's key in the environment (``shaky.comm.dist.KEY_ENV``; not imported: that loads torch)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchConfig:
+    """Where the ranks of a run are started: this machine's share of them, and how to reach rank 0."""
+
+    nproc_per_node: int
+    """Rank processes started on this machine."""
+    nnodes: int = 1
+    """Machines in the run, each with a ``shaky launch`` of its own (WORLD_SIZE = nnodes x nproc_per_node)."""
+    node_rank: int = 0
+    """This machine's place among them: its ranks are node_rank x nproc_per_node and up."""
+    master_addr: str = "127.0.0.1"
+    """The address of rank 0's machine, where the rendezvous store listens."""
+    master_port: int = 0
+    """The rendezvous store's TCP port; 0: a free port of this machine (one machine only)."""
+    max_restarts: int = 0
+    """How many times each rank (other than 0) may be started again after it dies."""
+
+    def __post_init__(self) -> None:
+        for name in ("nproc_per_node", "nnodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        for name in ("node_rank", "max_restarts", "master_port"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node-rank must be below nnodes ({self.nnodes}), got {self.node_rank}")
+        if self.master_port > 65535:
+            raise ValueError(f"master-port must be at most 65535, got {self.master_port}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("master-port must be given with nnodes > 1 (the same on every machine), got 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks this machine starts."""
+        first = self.node_rank * self.nproc_per_node
+        return range(first, first + self.nproc_per_node)
+
+
+def train_command(command: Sequence[str]) -> list[str]:
+    """``shaky train`` arguments for the ranks from what followed ``shaky launch``'s options: they must start
+    with ``train``; ``--backend dist`` is added unless given. ValueError names what is wrong."""
+    if not command or command[0] != "train":
+        raise ValueError(f"the command to launch must be `train ...` (shaky train's arguments), got "
+                         f"{' '.join(command) or 'nothing'!r}")
+    args = list(command[1:])
+    backends = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--backend"]
+    backends += [a.split("=", 1)[1] for a in args if a.startswith("--backend=")]
+    if any(b != "dist" for b in backends):
+        raise ValueError(f"--backend must be dist under shaky launch (one worker per process), got "
+                         f"{next(b for b in backends if b != 'dist')!r}")
+    return args if backends else [*args, "--backend", "dist"]
+
+
+def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts: int, rank0_running: bool,
+                     stopping: bool) -> str | None:
+    """Why the rank whose process ended with ``status`` (Popen's: negative for a signal) is not started again,
+    or None when it is."""
+    if status == 0:
+        return "it finished"
+    if status == EXIT_BAD_INPUT:
+        return "it stopped on bad input (status 2): a new process would too"
+    if status in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGTERM) or stopping:
+        return "the run is stopping on request"
+    if rank == 0:
+        return RANK0_STAYS_DOWN
+    if not rank0_running:
+        return "rank 0 has ended: there is no run to rejoin"
+    if restarts_used >= max_restarts:
+        return f"{NO_RESTARTS_LEFT} ({restarts_used} of --max-restarts {max_restarts})"
+    return None
+
+
+def describe(status: int) -> str:
+    """``killed by SIGKILL`` or ``exited with status 3``."""
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exited with status {status}"
+
+
+def exit_status(statuses: dict[int, int]) -> int:
+    """The launcher's status from its ranks' last ones (by rank), a death by signal N counted as 128 + N, as a
+    shell does: rank 0's where it ran here (the run finished if it did: a rank lost on the way is membership,
+    said in a line and in summary.json); elsewhere 0 if a rank here finished, else the lowest rank's."""
+    def shell(status: int) -> int:
+        return 128 - status if status < 0 else status
+
+    if 0 in statuses:
+        return shell(statuses[0])
+    if any(status == 0 for status in statuses.values()):
+        return 0
+    return shell(statuses[min(statuses)])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launcher dies (Linux), so that no rank outlives it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+class Launcher:
+    """Starts this machine's ranks of ``shaky train args`` and watches them until every one has ended."""
+
+    def __init__(self, cfg: LaunchConfig, args: Sequence[str], *, env: dict[str, str] | None = None,
+                 say: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.args = list(args)
+        self.command = " ".join(["shaky launch", f"--nproc-per-node {cfg.nproc_per_node}",
+                                 *([f"--nnodes {cfg.nnodes} --node-rank N"] if cfg.nnodes > 1 else []),
+                                 *([f"--max-restarts {cfg.max_restarts}"] if cfg.max_restarts else []), "train ..."])
+        self.port = cfg.master_port or free_port(cfg.master_addr)
+        self.env = dict(os.environ if env is None else env)
+        if cfg.nnodes == 1 and KEY_ENV not in self.env:
+            # Every rank is a child of this process: the udp key can reach them in their environment instead of
+            # through the rendezvous store, which is not encrypted (a key file given to train still wins).
+            self.env[KEY_ENV] = secrets.token_hex(32)
+        self.say = say or (lambda line: print(f"shaky launch: {line}", file=sys.stderr, flush=True))
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.restarts: dict[int, int] = {rank: 0 for rank in cfg.ranks}
+        """How many times each rank was started again."""
+        self.statuses: dict[int, int] = {}
+        """The exit status of each rank's last process, once it has ended for good."""
+        self.stopping: int | None = None
+        """The signal passed on to the ranks, once one came."""
+
+    def _env(self, rank: int) -> dict[str, str]:
+        env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.cfg.world_size),
+               "LOCAL_RANK": str(rank - self.cfg.ranks.start), "LOCAL_WORLD_SIZE": str(self.cfg.nproc_per_node),
+               "GROUP_RANK": str(self.cfg.node_rank), "MASTER_ADDR": self.cfg.master_addr,
+               "MASTER_PORT": str(self.port), LAUNCHED_BY: self.command}
+        if self.cfg.nproc_per_node > 1:
+            # As torchrun: processes that share the cores take one OpenMP thread each unless told otherwise.
+            env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _start(self, rank: int) -> None:
+        self.procs[rank] = subprocess.Popen([sys.executable, "-m", "shaky", "train", *self.args], env=self._env(rank),
+                                            start_new_session=True, preexec_fn=_die_with_parent)
+
+    def _pass_on(self, signum: int, _frame: object) -> None:
+        self.stopping = signum
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    def run(self) -> int:
+        """Starts the ranks and watches them until each has ended for good; returns :func:`exit_status`."""
+        old = {s: signal.signal(s, self._pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for rank in self.cfg.ranks:
+                self._start(rank)
+            while len(self.statuses) < len(self.cfg.ranks):
+                time.sleep(POLL_S)
+                self._watch()
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            for proc in self.procs.values():     # an exception here (never expected) leaves no rank behind
+                if proc.poll() is None:
+                    proc.terminate()
+        return exit_status(self.statuses)
+
+    def _watch(self) -> None:
+        for rank, proc in list(self.procs.items()):
+            status = proc.poll()
+            if status is None or rank in self.statuses:
+                continue
+            rank0 = self.procs.get(0)   # (on another machine: a process started again finds out itself)
+            why = restart_decision(rank, status, restarts_used=self.restarts[rank],
+                                   max_restarts=self.cfg.max_restarts,
+                                   rank0_running=rank0 is None or rank0.poll() is None,
+                                   stopping=self.stopping is not None)
+            if why is None:
+                self.restarts[rank] += 1
+                self.say(f"rank {rank} {describe(status)}; starting it again ({self.restarts[rank]} of "
+                         f"{self.cfg.max_restarts}): the others train on and take it back")
+                self._start(rank)
+                continue
+            self.statuses[rank] = status
+            # Said where a restart could have been expected; a rank that stopped with a line of its own (bad
+            # input, a run stopped on request or without its rank 0) has said why.
+            if why == RANK0_STAYS_DOWN or why.startswith(NO_RESTARTS_LEFT):
+                self.say(f"rank {rank} {describe(status)}; not started again: {why}")

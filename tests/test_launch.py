@@ -1,0 +1,134 @@
+"""``shaky launch``: a rank that dies is started again alone, and the survivors are left to train on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shaky.cli import main
+from shaky.launch import NO_RESTARTS_LEFT, RANK0_STAYS_DOWN, LaunchConfig, exit_status, restart_decision
+
+ARGS = ["--transport", "udp", "--workers", "3", "--eval-every", "100", "--quiet", "--set", "network.compute_ms=1.0"]
+
+
+def _launch(tmp_path: Path, steps: int, fault: str = "", restarts: int = 1) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("SHAKY_KEY", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    return subprocess.Popen([sys.executable, "-m", "shaky", "launch", "--nproc-per-node", "3", "--max-restarts",
+                             str(restarts), "train", *ARGS, "--steps", str(steps), "--out", str(tmp_path / "run")],
+                            cwd=tmp_path, env={**env, "SHAKY_INJECT_FAULT": fault}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
+def test_a_killed_rank_is_started_again_alone_and_taken_back(tmp_path: Path) -> None:
+    """Rank 2 gets SIGKILL before step 25: the launcher starts it again (and only it), the survivors take it
+    back, and the run ends with 3 live workers and status 0. The udp key reached the ranks from the launcher,
+    not through the rendezvous store (no rank warns of that)."""
+    code, err = _finish(_launch(tmp_path, 200, "kill:2:25"))
+    assert code == 0, err[-3000:]
+    assert "shaky launch: rank 2 killed by SIGKILL; starting it again (1 of 1)" in err, err
+    assert "handed out through the rendezvous store" not in err, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 200 and summary["live_workers"] == 3, summary
+    changes = summary["udp"]["membership_changes"]
+    assert [c["live"] for c in changes] == [[0, 1], [0, 1, 2]] and changes[1]["rejoined"] == [2], changes
+
+
+def test_rank_0_is_never_started_again_and_the_others_say_how_to_resume_under_the_launcher(tmp_path: Path) -> None:
+    code, err = _finish(_launch(tmp_path, 200, "kill:0:25", restarts=3))
+    assert code == 128 + signal.SIGKILL, err[-3000:]
+    assert f"shaky launch: rank 0 killed by SIGKILL; not started again: {RANK0_STAYS_DOWN}" in err, err
+    lines = [line for line in err.splitlines() if "which hosts the run's store, is gone" in line]
+    assert len(lines) == 2 and all("`shaky launch --nproc-per-node 3 --max-restarts 3 train ... --resume" in line
+                                   for line in lines), err
+    assert "starting it again" not in err, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
+def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step_with_a_checkpoint(
+        signum: int, tmp_path: Path) -> None:
+    """SIGINT is passed on to every rank (status 130); a launcher killed outright takes its ranks with it, each
+    told by SIGTERM (PR_SET_PDEATHSIG), so no rank outlives it and the checkpoint is written either way."""
+    proc = _launch(tmp_path, 1_000_000)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signum)
+    code, err = _finish(proc, timeout=60)
+    assert code == (130 if signum == signal.SIGINT else -signal.SIGKILL), err[-3000:]
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    deadline = time.monotonic() + 30
+    while not checkpoint.exists() and time.monotonic() < deadline:   # (SIGKILL: the ranks stop on their own)
+        time.sleep(0.1)
+    assert checkpoint.exists(), err[-3000:]
+    if signum == signal.SIGINT:
+        assert "stopped by SIGINT after step" in err and "`shaky launch --nproc-per-node 3" in err, err
+
+
+@pytest.mark.parametrize(("rank", "status", "used", "rank0_running", "stopping", "expected"), [
+    (2, -signal.SIGKILL, 0, True, False, None),
+    (2, 17, 0, True, False, None),                 # a crash
+    (2, 3, 0, True, False, None),                  # left out after a freeze: taken back when started again
+    (2, -signal.SIGKILL, 1, True, False, NO_RESTARTS_LEFT),
+    (2, -signal.SIGKILL, 0, False, False, "rank 0 has ended"),
+    (0, -signal.SIGKILL, 0, True, False, RANK0_STAYS_DOWN),
+    (2, 0, 0, True, False, "it finished"),
+    (2, 2, 0, True, False, "bad input"),
+    (2, 130, 0, True, False, "stopping on request"),
+    (2, -signal.SIGTERM, 0, True, False, "stopping on request"),
+    (2, -signal.SIGKILL, 0, True, True, "stopping on request"),
+])
+def test_restart_decision(rank: int, status: int, used: int, rank0_running: bool, stopping: bool,
+                          expected: str | None) -> None:
+    why = restart_decision(rank, status, restarts_used=used, max_restarts=1, rank0_running=rank0_running,
+                           stopping=stopping)
+    assert why is None if expected is None else expected in why
+
+
+@pytest.mark.parametrize(("statuses", "expected"), [
+    ({0: 0, 1: 0, 2: -signal.SIGKILL}, 0),      # the run finished; the rank lost on the way is membership
+    ({0: -signal.SIGKILL, 1: 3, 2: 3}, 137),
+    ({0: 2, 1: 2}, 2),
+    ({3: 3, 4: 0}, 0),                          # a machine without rank 0, one of whose ranks finished
+    ({3: 3, 4: -signal.SIGKILL}, 3),
+])
+def test_exit_status(statuses: dict[int, int], expected: int) -> None:
+    assert exit_status(statuses) == expected
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--nproc-per-node", "2", "demo"], "the command to launch must be `train ...`"),
+    (["--nproc-per-node", "2"], "got 'nothing'"),
+    (["--nproc-per-node", "0", "train"], "nproc-per-node must be an integer >= 1, got 0"),
+    (["--nproc-per-node", "2", "--max-restarts", "-1", "train"], "max-restarts must be an integer >= 0, got -1"),
+    (["--nproc-per-node", "2", "--nnodes", "2", "train"], "master-port must be given with nnodes > 1"),
+    (["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "train"],
+     "node-rank must be below nnodes (2), got 2"),
+    (["--nproc-per-node", "2", "train", "--backend", "sim"], "--backend must be dist under shaky launch"),
+    (["--nproc-per-node", "2", "train", "--backend=sim"], "--backend must be dist under shaky launch"),
+])
+def test_bad_launch_input_is_one_line_and_status_2(argv: list[str], expected: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+
+
+def test_the_ranks_are_numbered_as_torchrun_numbers_them() -> None:
+    cfg = LaunchConfig(nproc_per_node=4, nnodes=3, node_rank=1, master_port=29500)
+    assert cfg.world_size == 12 and list(cfg.ranks) == [4, 5, 6, 7]
