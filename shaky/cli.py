@@ -275,10 +275,8 @@ def _stopping(run_dir: Path, command: str, *, writer: bool = True) -> Iterator[N
 
 
 def _launcher() -> str:
-    """What started this rank: ``shaky launch`` (which says so in LAUNCHED_BY) or torchrun."""
-    from shaky.launch import LAUNCHED_BY  # noqa: PLC0415
-
-    return "shaky launch" if os.environ.get(LAUNCHED_BY) else "torchrun"
+    """What started this rank: ``shaky launch`` or torchrun."""
+    return "shaky launch" if _dist_command().startswith("shaky launch") else "torchrun"
 
 
 def _dist_command() -> str:

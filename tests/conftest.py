@@ -6,7 +6,6 @@ import atexit
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import torch
 
 from shaky.config import RunConfig, config_from_dict
 from shaky.inject import Fault, FaultInjector
+from shaky.launch import free_port  # noqa: F401 (the tests import it from here)
 from shaky.models import build_model
 from shaky.network.faults import Membership, Round
 from shaky.network.model import LinkSample
@@ -78,10 +78,6 @@ def stop_at(step: int) -> FaultInjector:
     return FaultInjector((Fault("stop", step),))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_ranks(args: list[str], cwd: Path, fault: str = "", workers: int = 4,

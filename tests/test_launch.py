@@ -76,8 +76,9 @@ def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step_with_a_ch
     while not checkpoint.exists() and time.monotonic() < deadline:   # (SIGKILL: the ranks stop on their own)
         time.sleep(0.1)
     assert checkpoint.exists(), err[-3000:]
-    if signum == signal.SIGINT:
-        assert "stopped by SIGINT after step" in err and "`shaky launch --nproc-per-node 3" in err, err
+    # (communicate returned: every rank, which shares the launcher's stderr, has exited)
+    assert f"stopped by {'SIGINT' if signum == signal.SIGINT else 'SIGTERM'} after step" in err, err
+    assert "`shaky launch --nproc-per-node 3" in err, err
 
 
 @pytest.mark.parametrize(("rank", "status", "used", "rank0_running", "stopping", "expected"), [
