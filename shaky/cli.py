@@ -22,6 +22,7 @@ from typing import Any, Iterator, Sequence
 
 from shaky.config import MAX_SCALE_PERIOD  # no torch: process_settings must come before torch loads
 from shaky.interrupt import exiting
+from shaky.progress import say
 
 EXIT_BAD_INPUT = 2
 BAD_INPUT_GRACE_S = 2.0
@@ -337,19 +338,19 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
         raise AloneBadInput(str(exc)) from None
     try:
         if not args.quiet:
-            print(f"shaky: rank {rank}: waiting to be taken back into the run in progress at {where} "
-                  f"({run_dir})", file=sys.stderr, flush=True)
+            say(f"shaky: rank {rank}: waiting to be taken back into the run in progress at {where} "
+                f"({run_dir})")
         welcome = comm.await_welcome(cfg.dist_timeout_s)
         if not args.quiet:
-            print(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}, "
-                  f"{comm.join_wait_s:.2f} s after asking", file=sys.stderr, flush=True)
+            say(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}, "
+                f"{comm.join_wait_s:.2f} s after asking")
         comm = _staged(comm, setup)
         with _stopping(run_dir, _dist_command(), writer=False):
             train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
                   faults=_faults(), welcome=welcome)
         comm.barrier()
     except (LeftBehind, NotTakenBack, ForgedRecord) as exc:
-        print(f"shaky: error: {exc}", file=sys.stderr)
+        say(f"shaky: error: {exc}")
         return 3
     finally:
         comm.close()
@@ -429,14 +430,14 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
         comm.barrier()
     except (LeftBehind, ForgedRecord) as exc:
-        print(f"shaky: error: {exc}; last checkpoint: {_checkpoint_note(run_dir, _dist_command())}", file=sys.stderr)
+        say(f"shaky: error: {exc}; last checkpoint: {_checkpoint_note(run_dir, _dist_command())}")
         return 3
     except (RuntimeError, dist.DistBackendError) as exc:
         found = comm.diagnose_failure(cfg.dist_timeout_s)
         who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
                "rank 0, which hosts the run's store, is gone")
-        print(f"shaky: error: {who} (rank {comm.rank} saw: {' '.join(str(exc).split())[:100]}); "
-              f"last checkpoint: {_checkpoint_note(run_dir, _dist_command())}", file=sys.stderr)
+        say(f"shaky: error: {who} (rank {comm.rank} saw: {' '.join(str(exc).split())[:100]}); "
+            f"last checkpoint: {_checkpoint_note(run_dir, _dist_command())}")
         return 3
     finally:
         comm.close()
@@ -725,7 +726,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except Stopped as exc:
         raise Stop(f"sweep stopped by {signal.Signals(exc.signum).name}; {resume}", exc.exit_code) from None
     for name, error in outcome.failed:
-        print(f"shaky: run failed: {name}: {error}", file=sys.stderr)
+        say(f"shaky: run failed: {name}: {error}")
     print(f"sweep: {outcome.ran} runs done, {outcome.skipped} already finished, {len(outcome.failed)} failed, "
           f"in {outcome.wall_s:.0f} s; runs in {out}")
     return 1 if outcome.failed else 0
@@ -759,8 +760,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         verdict = "holds" if v.holds else ("not measured" if v.holds is None else "does not hold")
         print(f"{v.id}: {verdict}: {' '.join(v.ours.split())}" + (f" ({v.why})" if v.why else ""))
     if result["missing"]:
-        print(f"shaky: warning: {result['missing']} runs of these sweeps are not finished; run shaky sweep again",
-              file=sys.stderr)
+        say(f"shaky: warning: {result['missing']} runs of these sweeps are not finished; run shaky sweep again")
     print(f"report: {result['report']} ({len(result['plots'])} plots in {out})")
     return 0
 
@@ -826,24 +826,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         # raised later are bugs and keep their traceback. Under torchrun every rank finds the same bad
         # input: rank 0 says it, once.
         if os.environ.get("RANK", "0") == "0" or isinstance(exc, AloneBadInput):
-            print(f"shaky: error: {exc}", file=sys.stderr)
+            say(f"shaky: error: {exc}")
         elif "TORCHELASTIC_RUN_ID" in os.environ:
             # torchrun stops every rank when the first one exits: leave rank 0 the time to say it.
             time.sleep(BAD_INPUT_GRACE_S)
         return EXIT_BAD_INPUT
     except Stop as exc:
         if str(exc):
-            print(f"shaky: {exc}", file=sys.stderr)
+            say(f"shaky: {exc}")
         return exc.code
     except FloatingPointError as exc:
-        print(f"shaky: error: {exc}", file=sys.stderr)
+        say(f"shaky: error: {exc}")
         return 1
     except KeyboardInterrupt:  # a run that was under way says more (see _stopping)
-        print("shaky: interrupted", file=sys.stderr)
+        say("shaky: interrupted")
         return 130
     except OSError as exc:  # no space left, a read-only directory: where, in one line
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"shaky: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        say(f"shaky: error: {where}{exc.strerror or exc}")
         return 1
 
 

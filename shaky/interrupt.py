@@ -14,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 from types import FrameType
 from typing import Any, Iterator
+
+from shaky.progress import say
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -65,8 +66,8 @@ class SignalWatch:
         if self.received is None:
             self.received = signum
             if self.announce:
-                print(f"\nshaky: {signal.Signals(signum).name} received: stopping after this step and writing a "
-                      "checkpoint (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+                say(f"\nshaky: {signal.Signals(signum).name} received: stopping after this step and writing a "
+                    "checkpoint (Ctrl-C again to stop at once)")
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
 

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from shaky.progress import say as say_line
+
 EXIT_BAD_INPUT = 2
 POLL_S = 0.05
 """How often the launcher looks at its ranks (a restart waits at most this long to start)."""
@@ -178,7 +180,7 @@ class Launcher:
             # Every rank is a child of this process: the udp key can reach them in their environment instead of
             # through the rendezvous store, which is not encrypted (a key file given to train still wins).
             self.env[KEY_ENV] = secrets.token_hex(32)
-        self.say = say or (lambda line: print(f"shaky launch: {line}", file=sys.stderr, flush=True))
+        self.say = say or (lambda line: say_line(f"shaky launch: {line}"))
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.restarts: dict[int, int] = {rank: 0 for rank in cfg.ranks}
         """How many times each rank was started again."""

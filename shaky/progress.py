@@ -1,9 +1,20 @@
-"""Progress of a run: a bar on a terminal, plain lines otherwise (logs, CI, pipes)."""
+"""What a run tells its user: a progress bar on a terminal, plain lines otherwise (logs, CI, pipes), and
+the one-line messages on stderr (``say``)."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
+
+
+def say(line: str) -> None:
+    """Write one line to stderr in a single write.
+
+    ``print(..., file=sys.stderr)`` writes the text and its newline separately (stderr writes through), so two
+    ranks that share a terminal or a pipe (``shaky launch``, torchrun) could run their lines into one. One write of
+    at most PIPE_BUF (4096) bytes to a pipe is never interleaved with another's."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class Progress:

@@ -12,7 +12,6 @@ import fcntl
 import json
 import os
 import platform
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from shaky.config import RunConfig
 from shaky.data import Dataset, assign_chunks, load_dataset, partition
 from shaky.models import FlatParams, build_model
 from shaky.network.model import NetworkModel, TraceNetwork, load_trace
+from shaky.progress import say
 from shaky.strategies import Strategy, build_strategy
 from shaky.vectorized import make_functions, worker_logits
 
@@ -95,8 +95,8 @@ def measured_compute_ms(setup: Setup) -> float:
                 write_json(path, known)
     except OSError as exc:  # a read-only home: measured per process, and said once
         value = _measure(setup)
-        print(f"shaky: warning: cannot keep the measured compute time in {path} ({exc.strerror or exc}); "
-              "runs in other processes measure their own (set network.compute_ms to fix it)", file=sys.stderr)
+        say(f"shaky: warning: cannot keep the measured compute time in {path} ({exc.strerror or exc}); "
+            "runs in other processes measure their own (set network.compute_ms to fix it)")
     _COMPUTE_MS[key] = value
     return value
 

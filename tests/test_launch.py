@@ -133,3 +133,25 @@ def test_bad_launch_input_is_one_line_and_status_2(argv: list[str], expected: st
 def test_the_ranks_are_numbered_as_torchrun_numbers_them() -> None:
     cfg = LaunchConfig(nproc_per_node=4, nnodes=3, node_rank=1, master_port=29500)
     assert cfg.world_size == 12 and list(cfg.ranks) == [4, 5, 6, 7]
+
+
+SAY_WRITER = """
+import sys
+from shaky.progress import say
+for i in range(2000):
+    say(f"shaky: rank {sys.argv[1]} line {i} " + "x" * 300)
+"""
+
+
+def test_lines_of_ranks_that_share_a_pipe_never_run_into_each_other() -> None:
+    """The ranks of ``shaky launch`` share its stderr. Two processes each write 2,000 lines of 330 bytes at once to
+    one pipe; every line comes out whole (``print`` to stderr writes the text and its newline separately, and then
+    two ranks' lines could join: CI saw it)."""
+    read, write = os.pipe()
+    procs = [subprocess.Popen([sys.executable, "-c", SAY_WRITER, str(rank)], stderr=write) for rank in (1, 2)]
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        lines = pipe.read().splitlines()
+    assert [proc.wait(timeout=60) for proc in procs] == [0, 0]
+    expected = {f"shaky: rank {rank} line {i} " + "x" * 300 for rank in (1, 2) for i in range(2000)}
+    assert len(lines) == 4000 and set(lines) == expected

@@ -28,7 +28,6 @@ import os
 import queue
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +43,7 @@ from shaky.comm.base import Done, block_sizes
 from shaky.comm.udp import (AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, bind_first_free,
                             python_path_warning)
 from shaky.config import DistConfig
+from shaky.progress import say
 from shaky.network.model import LinkSample
 
 
@@ -1003,9 +1003,8 @@ class UdpDistComm(DistComm):
         if key is None:
             key = bytes.fromhex(store.get(f"{prefix}/key").decode())
             if announce:
-                print(f"shaky: rank {me}: the udp key was handed out through the rendezvous store, which is not "
-                      f"encrypted; give every node dist.key_file or {KEY_ENV} to keep it off the network",
-                      file=sys.stderr, flush=True)
+                say(f"shaky: rank {me}: the udp key was handed out through the rendezvous store, which is not "
+                    f"encrypted; give every node dist.key_file or {KEY_ENV} to keep it off the network")
         fingerprint = hashlib.sha256(b"shaky key fingerprint\0" + key).hexdigest()[:16]
         if heartbeat_timeout_s is not None and not (heartbeat and 0 < heartbeat_timeout_s < float("inf")):
             raise ValueError(f"heartbeat_timeout_s must be a positive number of seconds with heartbeat=True, got "
@@ -1567,7 +1566,7 @@ def udp_comm(settings: DistConfig, *, heartbeat: bool = False, lanes: int = 1,
                        joining=joining)
     warning = python_path_warning(options)
     if warning and comm.rank == 0:
-        print(f"shaky: warning: {warning}", file=sys.stderr, flush=True)
+        say(f"shaky: warning: {warning}")
     return comm
 
 
