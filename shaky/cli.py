@@ -114,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
                         help="rank processes to start on this machine")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                        help="how many times each rank other than 0 may be started again (default 0)")
+                        help="how many times each rank other than 0 may be started again (default 0; "
+                        "--transport udp only)")
     launch.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="machines in the run, each running shaky launch (default 1)")
     launch.add_argument("--node-rank", type=int, default=0, metavar="I",
@@ -218,6 +219,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg, run_dir = _train_config(args)
+        if cfg.backend == "dist":
+            _check_restarts(cfg)
         joining = _joining(cfg.dist_timeout_s) if cfg.backend == "dist" else None
         if joining is None:
             _check_out(args)
@@ -285,6 +288,18 @@ def _dist_command() -> str:
     from shaky.launch import LAUNCHED_BY  # noqa: PLC0415
 
     return os.environ.get(LAUNCHED_BY) or "torchrun ... -m shaky train"
+
+
+def _check_restarts(cfg: Any) -> None:
+    """A rank of ``shaky launch --max-restarts N`` (N > 0) needs the transport that takes a process started again
+    back: on gloo the launcher would start a rank again into a run whose other ranks have stopped."""
+    from shaky.launch import MAX_RESTARTS_ENV  # noqa: PLC0415
+
+    restarts = os.environ.get(MAX_RESTARTS_ENV, "0")
+    if restarts != "0" and cfg.dist.transport != "udp":
+        raise BadInput(f"shaky launch --max-restarts {restarts} needs dist.transport = \"udp\" (got "
+                       f"{cfg.dist.transport!r}): on {cfg.dist.transport} a rank that dies stops every rank, and a "
+                       "process started again cannot rejoin")
 
 
 def _checkpoint_note(run_dir: Path, command: str) -> str:

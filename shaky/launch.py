@@ -13,7 +13,8 @@ Rules, in :func:`restart_decision`: a rank whose process is killed by a signal o
 than 0, 2 (bad input: a new process would find the same) or 128 + SIGINT/SIGTERM (stopped on request) is
 started again, at most ``max_restarts`` times per rank, while rank 0 runs (rank 0 hosts the run's stores and
 writes the run directory: it cannot be taken back, and when it has ended there is no run to rejoin). Rank 0
-itself is never started again. SIGINT and SIGTERM to the launcher are passed on to every rank (each stops
+itself is never started again, and a run on the gloo transport, which cannot take a process back, refuses
+``--max-restarts`` before it trains. SIGINT and SIGTERM to the launcher are passed on to every rank (each stops
 after the same step with a checkpoint, as under torchrun); the ranks run in a session of their own, so a
 terminal's Ctrl-C reaches them once, through the launcher, and they get SIGTERM if the launcher itself dies.
 
@@ -44,6 +45,9 @@ NO_RESTARTS_LEFT = "it has no restarts left"
 LAUNCHED_BY = "SHAKY_LAUNCHED_BY"
 """Set in each rank's environment: the launcher's command line up to ``train`` (a rank's lines that say how to
 resume quote it)."""
+MAX_RESTARTS_ENV = "SHAKY_MAX_RESTARTS"
+"""Set in each rank's environment: the launcher's ``--max-restarts`` (a rank on a transport that cannot take a
+process started again back refuses a run that asks for restarts, in one line)."""
 KEY_ENV = "SHAKY_KEY"
 """The udp transport's key in the environment (``shaky.comm.dist.KEY_ENV``; not imported: that loads torch)."""
 
@@ -193,7 +197,7 @@ class Launcher:
         env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.cfg.world_size),
                "LOCAL_RANK": str(rank - self.cfg.ranks.start), "LOCAL_WORLD_SIZE": str(self.cfg.nproc_per_node),
                "GROUP_RANK": str(self.cfg.node_rank), "MASTER_ADDR": self.cfg.master_addr,
-               "MASTER_PORT": str(self.port), LAUNCHED_BY: self.command}
+               "MASTER_PORT": str(self.port), LAUNCHED_BY: self.command, MAX_RESTARTS_ENV: str(self.cfg.max_restarts)}
         if self.cfg.nproc_per_node > 1:
             # As torchrun: processes that share the cores take one OpenMP thread each unless told otherwise.
             env.setdefault("OMP_NUM_THREADS", "1")

@@ -130,6 +130,19 @@ def test_bad_launch_input_is_one_line_and_status_2(argv: list[str], expected: st
     assert err.count("\n") == 1 and expected in err, err
 
 
+def test_restarts_on_the_gloo_transport_are_refused_in_one_line_before_training(tmp_path: Path) -> None:
+    """On gloo a rank that dies stops every rank, so a process started again would find no run: the ranks refuse
+    ``--max-restarts`` there (rank 0 says it, once), the launcher starts nothing again, and the status is 2."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SHAKY_KEY", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
+                           "train", "--workers", "2", "--steps", "5", "--quiet", "--out", str(tmp_path / "run")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("shaky: error: shaky launch --max-restarts 1 needs dist.transport = \"udp\" (got 'gloo'): "
+                           "on gloo a rank that dies stops every rank, and a process started again cannot rejoin\n")
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_ranks_are_numbered_as_torchrun_numbers_them() -> None:
     cfg = LaunchConfig(nproc_per_node=4, nnodes=3, node_rank=1, master_port=29500)
     assert cfg.world_size == 12 and list(cfg.ranks) == [4, 5, 6, 7]
