@@ -219,8 +219,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg, run_dir = _train_config(args)
-        if cfg.backend == "dist":
-            _check_restarts(cfg)
+        if _launcher() == "shaky launch":
+            _check_launched(cfg, run_dir)
         joining = _joining(cfg.dist_timeout_s) if cfg.backend == "dist" else None
         if joining is None:
             _check_out(args)
@@ -290,11 +290,15 @@ def _dist_command() -> str:
     return os.environ.get(LAUNCHED_BY) or "torchrun ... -m shaky train"
 
 
-def _check_restarts(cfg: Any) -> None:
-    """A rank of ``shaky launch --max-restarts N`` (N > 0) needs the transport that takes a process started again
-    back: on gloo the launcher would start a rank again into a run whose other ranks have stopped."""
+def _check_launched(cfg: Any, run_dir: Path) -> None:
+    """A rank of ``shaky launch``: a dist run (a resumed run's saved config could say otherwise), and with
+    ``--max-restarts N`` (N > 0) the transport that takes a process started again back: on gloo the launcher
+    would start a rank again into a run whose other ranks have stopped."""
     from shaky.launch import MAX_RESTARTS_ENV  # noqa: PLC0415
 
+    if cfg.backend != "dist":
+        raise BadInput(f"--resume {run_dir}: a run on backend {cfg.backend!r}, and shaky launch runs backend "
+                       f"'dist' (resume it with `shaky train --resume {run_dir}`)")
     restarts = os.environ.get(MAX_RESTARTS_ENV, "0")
     if restarts != "0" and cfg.dist.transport != "udp":
         raise BadInput(f"shaky launch --max-restarts {restarts} needs dist.transport = \"udp\" (got "

@@ -98,7 +98,8 @@ class LaunchConfig:
 
 def train_command(command: Sequence[str]) -> list[str]:
     """``shaky train`` arguments for the ranks from what followed ``shaky launch``'s options: they must start
-    with ``train``; ``--backend dist`` is added unless given. ValueError names what is wrong."""
+    with ``train``; ``--backend dist`` is added unless given, or unless the run is resumed (its saved config
+    says the backend, and the ranks refuse one that is not dist). ValueError names what is wrong."""
     if not command or command[0] != "train":
         raise ValueError(f"the command to launch must be `train ...` (shaky train's arguments), got "
                          f"{' '.join(command) or 'nothing'!r}")
@@ -108,7 +109,8 @@ def train_command(command: Sequence[str]) -> list[str]:
     if any(b != "dist" for b in backends):
         raise ValueError(f"--backend must be dist under shaky launch (one worker per process), got "
                          f"{next(b for b in backends if b != 'dist')!r}")
-    return args if backends else [*args, "--backend", "dist"]
+    resumed = any(a == "--resume" or a.startswith("--resume=") for a in args)
+    return args if backends or resumed else [*args, "--backend", "dist"]
 
 
 def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts: int, rank0_running: bool,

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from shaky.cli import main
-from shaky.launch import NO_RESTARTS_LEFT, RANK0_STAYS_DOWN, LaunchConfig, exit_status, restart_decision
+from shaky.launch import (LAUNCHED_BY, NO_RESTARTS_LEFT, RANK0_STAYS_DOWN, LaunchConfig, exit_status, restart_decision,
+                          train_command)
 
 ARGS = ["--transport", "udp", "--workers", "3", "--eval-every", "100", "--quiet", "--set", "network.compute_ms=1.0"]
 
@@ -128,6 +129,40 @@ def test_bad_launch_input_is_one_line_and_status_2(argv: list[str], expected: st
     assert main(["launch", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expected in err, err
+
+
+def test_a_run_stopped_by_a_dead_rank_resumes_with_the_line_it_printed(tmp_path: Path) -> None:
+    """gloo: rank 1 dies at step 30, rank 0 stops (status 3) with the launcher's resume line, and that line, run
+    as it says (the launcher adds no --backend to a resumed run), finishes the run from the step-20 checkpoint."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SHAKY_KEY", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    launch = [sys.executable, "-m", "shaky", "launch", "--nproc-per-node", "2", "train"]
+    run = tmp_path / "run"
+    first = subprocess.run([*launch, "--workers", "2", "--steps", "60", "--checkpoint-every", "20", "--quiet",
+                            "--out", str(run)], cwd=tmp_path, env={**env, "SHAKY_INJECT_FAULT": "kill:1:30"},
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == 3, first.stderr
+    assert f"at step 20; resume with `shaky launch --nproc-per-node 2 train ... --resume {run}`" in first.stderr
+    second = subprocess.run([*launch, "--resume", str(run), "--quiet"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"] == 60
+
+
+def test_the_launcher_adds_backend_dist_except_to_a_resumed_run() -> None:
+    assert train_command(["train", "--workers", "2"]) == ["--workers", "2", "--backend", "dist"]
+    assert train_command(["train", "--resume", "runs/x"]) == ["--resume", "runs/x"]
+    assert train_command(["train", "--resume=runs/x"]) == ["--resume=runs/x"]
+
+
+def test_a_simulator_run_is_not_resumed_by_the_launchers_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert main(["train", "--workers", "2", "--steps", "2", "--quiet", "--out", str(run)]) == 0
+    monkeypatch.setenv(LAUNCHED_BY, "shaky launch --nproc-per-node 2 train ...")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--quiet"]) == 2
+    assert capsys.readouterr().err == (f"shaky: error: --resume {run}: a run on backend 'sim', and shaky launch runs "
+                                       f"backend 'dist' (resume it with `shaky train --resume {run}`)\n")
 
 
 def test_restarts_on_the_gloo_transport_are_refused_in_one_line_before_training(tmp_path: Path) -> None:
