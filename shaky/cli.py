@@ -110,12 +110,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Starts this machine's ranks of `shaky train --backend dist ...` as torchrun does (RANK, "
         "WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but a rank that dies leaves the others running and, with "
         "--max-restarts, is started again: on --transport udp the survivors train on and take it back. "
-        "Rank 0 hosts the run's stores and is never started again.")
+        "A run that stops (its rank 0 died, or on gloo any rank) is started again from its last checkpoint.")
     launch.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
                         help="rank processes to start on this machine")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                        help="how many times each rank other than 0 may be started again (default 0; "
-                        "--transport udp only)")
+                        help="how many times each rank other than 0 may be started again alone (--transport "
+                        "udp), and the whole run from its last checkpoint after it stopped (default 0)")
     launch.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="machines in the run, each running shaky launch (default 1)")
     launch.add_argument("--node-rank", type=int, default=0, metavar="I",
@@ -291,9 +291,9 @@ def _dist_command() -> str:
 
 
 def _check_launched(cfg: Any, run_dir: Path) -> None:
-    """A rank of ``shaky launch``: a dist run (a resumed run's saved config could say otherwise), and with
-    ``--max-restarts N`` (N > 0) the transport that takes a process started again back: on gloo the launcher
-    would start a rank again into a run whose other ranks have stopped."""
+    """A rank of ``shaky launch``: a dist run (a resumed run's saved config could say otherwise), and where the
+    launcher cannot learn the transport (several machines) and has ``--max-restarts N`` (N > 0), the transport
+    that takes a process started again back: on gloo it would start a rank again into a run that has stopped."""
     from shaky.launch import MAX_RESTARTS_ENV  # noqa: PLC0415
 
     if cfg.backend != "dist":
@@ -302,8 +302,9 @@ def _check_launched(cfg: Any, run_dir: Path) -> None:
     restarts = os.environ.get(MAX_RESTARTS_ENV, "0")
     if restarts != "0" and cfg.dist.transport != "udp":
         raise BadInput(f"shaky launch --max-restarts {restarts} needs dist.transport = \"udp\" (got "
-                       f"{cfg.dist.transport!r}): on {cfg.dist.transport} a rank that dies stops every rank, and a "
-                       "process started again cannot rejoin")
+                       f"{cfg.dist.transport!r}) over several machines: on {cfg.dist.transport} a rank that dies "
+                       "stops every rank, and a process started again cannot rejoin (on one machine the launcher "
+                       "starts every rank again from the last checkpoint instead)")
 
 
 def _checkpoint_note(run_dir: Path, command: str) -> str:
@@ -403,6 +404,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     from shaky.comm.dist import (DistComm, ForgedRecord, LeftBehind, broadcast_object, init_from_env,  # noqa: PLC0415
                                  udp_comm)
     from shaky.config import to_dict  # noqa: PLC0415
+    from shaky.launch import tell_launcher  # noqa: PLC0415
     from shaky.train import train  # noqa: PLC0415
 
     cfg = setup.cfg
@@ -440,6 +442,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         # What a process started again for a dead rank needs (udp takes it back; gloo says it cannot).
         comm.publish_run({"run_dir": str(run_dir.resolve()), "compute_ms": setup.compute_ms,
                           "config": to_dict(cfg), "transport": cfg.dist.transport})
+        tell_launcher(str(run_dir.resolve()), cfg.dist.transport)
     try:
         with _stopping(run_dir, _dist_command(), writer=writer):
             summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,

@@ -3,18 +3,23 @@
 torchrun's agent treats a worker that exits as the failure of the whole group: it stops every other worker on
 its machine (or restarts them all). On the udp transport shaky's survivors train on without a dead rank, and
 a process started again for it is taken back (README, "Survivors train on"), so a launcher for it must leave
-the survivors alone and start only the dead rank again. That is all this module does; the rank processes are
-``shaky train`` processes started as torchrun starts them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-GROUP_RANK, MASTER_ADDR, MASTER_PORT), so nothing in them knows which launcher started them. On one
+the survivors alone and start only the dead rank again; a run that stops as a whole it starts again as a whole,
+as torchrun would. The rank processes are ``shaky train`` processes started as torchrun starts them (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), so nothing in them knows
+which launcher started them. On one
 machine the launcher also makes the run's udp key and hands it to its ranks in their environment
 (``SHAKY_KEY``, unless set), so that it never travels through the rendezvous store.
 
 Rules, in :func:`restart_decision`: a rank whose process is killed by a signal or exits with a status other
 than 0, 2 (bad input: a new process would find the same) or 128 + SIGINT/SIGTERM (stopped on request) is
 started again, at most ``max_restarts`` times per rank, while rank 0 runs (rank 0 hosts the run's stores and
-writes the run directory: it cannot be taken back, and when it has ended there is no run to rejoin). Rank 0
-itself is never started again, and a run on the gloo transport, which cannot take a process back, refuses
-``--max-restarts`` before it trains. SIGINT and SIGTERM to the launcher are passed on to every rank (each stops
+writes the run directory: it cannot be taken back, and when it has ended there is no run to rejoin), and only
+on the udp transport (rank 0 tells the launcher the transport and the run directory through a file,
+:func:`tell_launcher`). A run that stops as a whole (rank 0 died, or on gloo any rank) is started again as a
+whole once every rank here has ended (:func:`group_restart_decision`): every rank with ``--resume`` of the
+run directory, from its last checkpoint, at most ``max_restarts`` times, as torchrun restarts a group; on one
+machine only (over several, a launcher learns neither the transport nor the directory, and the ranks refuse
+``--max-restarts`` on gloo). SIGINT and SIGTERM to the launcher are passed on to every rank (each stops
 after the same step with a checkpoint, as under torchrun); the ranks run in a session of their own, so a
 terminal's Ctrl-C reaches them once, through the launcher, and they get SIGTERM if the launcher itself dies.
 
@@ -24,16 +29,19 @@ No torch here: the launcher only starts and watches processes.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from shaky.inject import ENV_VAR as FAULT_ENV
 from shaky.progress import say as say_line
 
 EXIT_BAD_INPUT = 2
@@ -46,8 +54,12 @@ LAUNCHED_BY = "SHAKY_LAUNCHED_BY"
 """Set in each rank's environment: the launcher's command line up to ``train`` (a rank's lines that say how to
 resume quote it)."""
 MAX_RESTARTS_ENV = "SHAKY_MAX_RESTARTS"
-"""Set in each rank's environment: the launcher's ``--max-restarts`` (a rank on a transport that cannot take a
-process started again back refuses a run that asks for restarts, in one line)."""
+"""Set in each rank's environment where the launcher cannot learn the run's transport (more than one machine):
+its ``--max-restarts``, which a rank on a transport that cannot take a process started again back refuses."""
+RUN_FILE_ENV = "SHAKY_LAUNCH_RUN_FILE"
+"""Set in each rank's environment on one machine: where rank 0 writes the run's directory and transport as JSON
+(``tell_launcher``), so that the launcher knows what a restart can do."""
+ONLY_UDP_TAKES_BACK = "a rank alone is taken back on the udp transport only"
 KEY_ENV = "SHAKY_KEY"
 """The udp transport's key in the environment (``shaky.comm.dist.KEY_ENV``; not imported: that loads torch)."""
 
@@ -114,9 +126,9 @@ def train_command(command: Sequence[str]) -> list[str]:
 
 
 def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts: int, rank0_running: bool,
-                     stopping: bool) -> str | None:
-    """Why the rank whose process ended with ``status`` (Popen's: negative for a signal) is not started again,
-    or None when it is."""
+                     stopping: bool, transport: str | None = "udp") -> str | None:
+    """Why the rank whose process ended with ``status`` (Popen's: negative for a signal) is not started again
+    alone, or None when it is. ``transport``: the run's, None while not known yet."""
     if status == 0:
         return "it finished"
     if status == EXIT_BAD_INPUT:
@@ -127,9 +139,45 @@ def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts
         return RANK0_STAYS_DOWN
     if not rank0_running:
         return "rank 0 has ended: there is no run to rejoin"
+    if transport != "udp":
+        return ONLY_UDP_TAKES_BACK
     if restarts_used >= max_restarts:
         return f"{NO_RESTARTS_LEFT} ({restarts_used} of --max-restarts {max_restarts})"
     return None
+
+
+def group_restart_decision(status0: int | None, *, restarts_used: int, max_restarts: int, stopping: bool,
+                           run_dir: str | None) -> str | None:
+    """Why a run whose ranks on this machine have all ended, rank 0's with ``status0`` (None: rank 0 runs on
+    another machine), is not started again from its last checkpoint (``--resume``), or None when it is."""
+    if status0 is None:
+        return "rank 0 runs on another machine: a run over several machines is resumed by hand"
+    if status0 == 0:
+        return "it finished"
+    if status0 == EXIT_BAD_INPUT:
+        return "it stopped on bad input (status 2): a new process would too"
+    if status0 in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGTERM) or stopping:
+        return "the run is stopping on request"
+    if restarts_used >= max_restarts:
+        return f"{NO_RESTARTS_LEFT} ({restarts_used} of --max-restarts {max_restarts})"
+    if run_dir is None:
+        return "rank 0 ended before it named the run directory"
+    return None
+
+
+def resume_args(args: Sequence[str], run_dir: str) -> list[str]:
+    """The ranks' arguments that go on with the run in ``run_dir`` from its last checkpoint: ``--resume`` (the
+    saved config says the rest), and ``--quiet`` if it was given."""
+    return ["--resume", run_dir, *(["--quiet"] if "--quiet" in args else [])]
+
+
+def tell_launcher(run_dir: str, transport: str) -> None:
+    """Rank 0 of a launcher on one machine: the run's directory and transport, to the file the launcher reads."""
+    path = os.environ.get(RUN_FILE_ENV)
+    if path:
+        with open(f"{path}.part", "w", encoding="utf-8") as f:
+            json.dump({"run_dir": run_dir, "transport": transport}, f)
+        os.replace(f"{path}.part", path)
 
 
 def describe(status: int) -> str:
@@ -186,20 +234,35 @@ class Launcher:
             # Every rank is a child of this process: the udp key can reach them in their environment instead of
             # through the rendezvous store, which is not encrypted (a key file given to train still wins).
             self.env[KEY_ENV] = secrets.token_hex(32)
+        self.fault = self.env.pop(FAULT_ENV, None)
+        """An injected fault (tests) is an event of the run: the first process of each rank gets it, a process
+        started again does not (it would meet the same step again after a resume)."""
         self.say = say or (lambda line: say_line(f"shaky launch: {line}"))
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.restarts: dict[int, int] = {rank: 0 for rank in cfg.ranks}
-        """How many times each rank was started again."""
+        """How many times each rank was started again alone."""
+        self.group_restarts = 0
+        """How many times every rank was started again from the run's last checkpoint."""
+        self.first_failure: tuple[int, int] | None = None
+        """The first rank of this attempt whose process died, and its status (what the group restart names)."""
         self.statuses: dict[int, int] = {}
         """The exit status of each rank's last process, once it has ended for good."""
         self.stopping: int | None = None
         """The signal passed on to the ranks, once one came."""
+        self.run_file: str | None = None
+        """Where rank 0 writes the run's directory and transport (one machine only)."""
 
     def _env(self, rank: int) -> dict[str, str]:
         env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.cfg.world_size),
                "LOCAL_RANK": str(rank - self.cfg.ranks.start), "LOCAL_WORLD_SIZE": str(self.cfg.nproc_per_node),
                "GROUP_RANK": str(self.cfg.node_rank), "MASTER_ADDR": self.cfg.master_addr,
-               "MASTER_PORT": str(self.port), LAUNCHED_BY: self.command, MAX_RESTARTS_ENV: str(self.cfg.max_restarts)}
+               "MASTER_PORT": str(self.port), LAUNCHED_BY: self.command}
+        if self.run_file is not None:
+            env[RUN_FILE_ENV] = self.run_file
+        else:
+            env[MAX_RESTARTS_ENV] = str(self.cfg.max_restarts)
+        if self.fault and not self.restarts[rank] and not self.group_restarts:
+            env[FAULT_ENV] = self.fault
         if self.cfg.nproc_per_node > 1:
             # As torchrun: processes that share the cores take one OpenMP thread each unless told otherwise.
             env.setdefault("OMP_NUM_THREADS", "1")
@@ -215,33 +278,75 @@ class Launcher:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    def run(self) -> int:
-        """Starts the ranks and watches them until each has ended for good; returns :func:`exit_status`."""
-        old = {s: signal.signal(s, self._pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
+    def _run_info(self) -> dict[str, str]:
+        """What rank 0 wrote of the run (its directory and transport); empty before it has."""
         try:
-            for rank in self.cfg.ranks:
-                self._start(rank)
-            while len(self.statuses) < len(self.cfg.ranks):
-                time.sleep(POLL_S)
-                self._watch()
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-            for proc in self.procs.values():     # an exception here (never expected) leaves no rank behind
-                if proc.poll() is None:
-                    proc.terminate()
+            with open(self.run_file or "", encoding="utf-8") as f:
+                return dict(json.load(f))
+        except (OSError, ValueError):
+            return {}
+
+    def run(self) -> int:
+        """Starts the ranks and watches them until each has ended for good, starting them all again from the
+        run's last checkpoint where :func:`group_restart_decision` says so; returns :func:`exit_status`."""
+        old = {s: signal.signal(s, self._pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
+        with tempfile.TemporaryDirectory(prefix="shaky-launch-") as scratch:
+            if self.cfg.nnodes == 1:
+                self.run_file = os.path.join(scratch, "run.json")
+            try:
+                for rank in self.cfg.ranks:
+                    self._start(rank)
+                while True:
+                    while len(self.statuses) < len(self.cfg.ranks):
+                        time.sleep(POLL_S)
+                        self._watch()
+                    if not self._restart_group():
+                        break
+            finally:
+                for s, handler in old.items():
+                    signal.signal(s, handler)
+                for proc in self.procs.values():     # an exception here (never expected) leaves no rank behind
+                    if proc.poll() is None:
+                        proc.terminate()
         return exit_status(self.statuses)
+
+    def _restart_group(self) -> bool:
+        """Every rank here has ended: starts them all again from the run's last checkpoint if the run failed
+        and restarts are left (see :func:`group_restart_decision`); whether it did."""
+        run_dir = self._run_info().get("run_dir")
+        why = group_restart_decision(self.statuses.get(0), restarts_used=self.group_restarts,
+                                     max_restarts=self.cfg.max_restarts, stopping=self.stopping is not None,
+                                     run_dir=run_dir)
+        failed = f"rank {self.first_failure[0]} {describe(self.first_failure[1])}" if self.first_failure else ""
+        if why is not None:
+            if failed and (why.startswith(NO_RESTARTS_LEFT) or run_dir is None):
+                self.say(f"{failed} and the run stopped; not started again: {why}")
+            return False
+        self.group_restarts += 1
+        self.say(f"{failed or 'rank 0 ' + describe(self.statuses[0])} and the run stopped; starting every rank "
+                 f"again from its last checkpoint: train --resume {run_dir} ({self.group_restarts} of "
+                 f"{self.cfg.max_restarts})")
+        self.args = resume_args(self.args, str(run_dir))
+        self.statuses.clear()
+        self.first_failure = None
+        for rank in self.cfg.ranks:
+            self._start(rank)
+        return True
 
     def _watch(self) -> None:
         for rank, proc in list(self.procs.items()):
             status = proc.poll()
             if status is None or rank in self.statuses:
                 continue
+            if status not in (0, EXIT_BAD_INPUT) and self.first_failure is None and self.stopping is None:
+                self.first_failure = (rank, status)
             rank0 = self.procs.get(0)   # (on another machine: a process started again finds out itself)
+            # One machine: rank 0 says the transport; several: assumed udp (each rank refuses restarts on gloo).
+            transport = self._run_info().get("transport") if self.run_file else "udp"
             why = restart_decision(rank, status, restarts_used=self.restarts[rank],
                                    max_restarts=self.cfg.max_restarts,
                                    rank0_running=rank0 is None or rank0.poll() is None,
-                                   stopping=self.stopping is not None)
+                                   stopping=self.stopping is not None, transport=transport)
             if why is None:
                 self.restarts[rank] += 1
                 self.say(f"rank {rank} {describe(status)}; starting it again ({self.restarts[rank]} of "
@@ -249,7 +354,8 @@ class Launcher:
                 self._start(rank)
                 continue
             self.statuses[rank] = status
-            # Said where a restart could have been expected; a rank that stopped with a line of its own (bad
-            # input, a run stopped on request or without its rank 0) has said why.
-            if why == RANK0_STAYS_DOWN or why.startswith(NO_RESTARTS_LEFT):
+            # Said where a restart alone could have been expected; a rank that stopped with a line of its own (bad
+            # input, a run stopped on request or without its rank 0) has said why, and a run that stops for it
+            # is started again as a whole or says why not (_restart_group).
+            if why.startswith(NO_RESTARTS_LEFT):
                 self.say(f"rank {rank} {describe(status)}; not started again: {why}")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from shaky.cli import main
-from shaky.launch import (LAUNCHED_BY, NO_RESTARTS_LEFT, RANK0_STAYS_DOWN, LaunchConfig, exit_status, restart_decision,
+from shaky.launch import (LAUNCHED_BY, MAX_RESTARTS_ENV, NO_RESTARTS_LEFT, ONLY_UDP_TAKES_BACK, RANK0_STAYS_DOWN,
+                          LaunchConfig, exit_status, group_restart_decision, restart_decision, resume_args,
                           train_command)
 
 ARGS = ["--transport", "udp", "--workers", "3", "--eval-every", "100", "--quiet", "--set", "network.compute_ms=1.0"]
@@ -49,14 +50,58 @@ def test_a_killed_rank_is_started_again_alone_and_taken_back(tmp_path: Path) -> 
     assert [c["live"] for c in changes] == [[0, 1], [0, 1, 2]] and changes[1]["rejoined"] == [2], changes
 
 
-def test_rank_0_is_never_started_again_and_the_others_say_how_to_resume_under_the_launcher(tmp_path: Path) -> None:
-    code, err = _finish(_launch(tmp_path, 200, "kill:0:25", restarts=3))
-    assert code == 128 + signal.SIGKILL, err[-3000:]
-    assert f"shaky launch: rank 0 killed by SIGKILL; not started again: {RANK0_STAYS_DOWN}" in err, err
-    lines = [line for line in err.splitlines() if "which hosts the run's store, is gone" in line]
-    assert len(lines) == 2 and all("`shaky launch --nproc-per-node 3 --max-restarts 3 train ... --resume" in line
-                                   for line in lines), err
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_dead_rank_0_stops_the_run_and_the_launcher_resumes_every_rank(restarts: int, tmp_path: Path) -> None:
+    """udp: rank 0, which hosts the stores, gets SIGKILL before step 25; the others stop, saying how to resume under
+    the launcher, and with a restart left the launcher does just that for every rank (the run finishes, status 0);
+    without one it says so and its status is rank 0's (137)."""
+    code, err = _finish(_launch(tmp_path, 200, "kill:0:25", restarts=restarts))
+    run = tmp_path / "run"
+    gone = [line for line in err.splitlines() if "which hosts the run's store, is gone" in line]
+    resume = f"`shaky launch --nproc-per-node 3{' --max-restarts 1' if restarts else ''} train ... --resume {run}`"
+    assert len(gone) == 2 and all(resume in line for line in gone), err
     assert "starting it again" not in err, err
+    if restarts:
+        assert code == 0, err[-3000:]
+        assert ("shaky launch: rank 0 killed by SIGKILL and the run stopped; starting every rank again from its last "
+                f"checkpoint: train --resume {run} (1 of 1)") in err, err
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"] == 200 and summary["live_workers"] == 3, summary
+    else:
+        assert code == 128 + signal.SIGKILL, err[-3000:]
+        assert ("shaky launch: rank 0 killed by SIGKILL and the run stopped; not started again: "
+                f"{NO_RESTARTS_LEFT} (0 of --max-restarts 0)") in err, err
+
+
+def test_on_gloo_the_launcher_resumes_every_rank_and_the_run_ends_as_one_never_stopped(tmp_path: Path) -> None:
+    """gloo: rank 1 dies at step 30 and takes the run with it; with --max-restarts 1 the launcher starts every rank
+    again from the step-20 checkpoint (rank 1 once, without the injected fault), and the run's metrics and
+    summary equal those of a run never stopped, in every number but the measured seconds (the compute time is
+    fixed: a run measures its own otherwise)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SHAKY_KEY", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+
+    def launch(out: Path, restarts: str, fault: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nproc-per-node", "2", "--max-restarts",
+                               restarts, "train", "--workers", "2", "--steps", "60", "--checkpoint-every", "20",
+                               "--set", "network.compute_ms=1.0", "--quiet", "--out", str(out)], cwd=tmp_path,
+                              env={**env, "SHAKY_INJECT_FAULT": fault},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    err = launch(tmp_path / "stopped", "1", "kill:1:30")
+    assert ("shaky launch: rank 1 killed by SIGKILL and the run stopped; starting every rank again from its last "
+            f"checkpoint: train --resume {tmp_path / 'stopped'} (1 of 1)") in err, err
+    launch(tmp_path / "whole", "0", "")
+
+    def numbers(out: Path) -> tuple[list[dict], dict]:
+        measured = ("wall_time_s", "wait_s")    # seconds of this machine's clock
+        rows = [{k: v for k, v in json.loads(line).items() if k not in measured}
+                for line in (out / "metrics.jsonl").read_text().splitlines()]
+        summary = {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k not in measured}
+        return rows, summary
+
+    assert numbers(tmp_path / "stopped") == numbers(tmp_path / "whole")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
@@ -84,6 +129,8 @@ def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step_with_a_ch
 
 @pytest.mark.parametrize(("rank", "status", "used", "rank0_running", "stopping", "expected"), [
     (2, -signal.SIGKILL, 0, True, False, None),
+    (2, -signal.SIGKILL, 0, True, False, ONLY_UDP_TAKES_BACK),   # gloo (the transport is the test's)
+    (2, -signal.SIGKILL, 0, True, False, "unknown"),              # before rank 0 said the transport
     (2, 17, 0, True, False, None),                 # a crash
     (2, 3, 0, True, False, None),                  # left out after a freeze: taken back when started again
     (2, -signal.SIGKILL, 1, True, False, NO_RESTARTS_LEFT),
@@ -97,9 +144,10 @@ def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step_with_a_ch
 ])
 def test_restart_decision(rank: int, status: int, used: int, rank0_running: bool, stopping: bool,
                           expected: str | None) -> None:
+    transport = {ONLY_UDP_TAKES_BACK: "gloo", "unknown": None}.get(str(expected), "udp")
     why = restart_decision(rank, status, restarts_used=used, max_restarts=1, rank0_running=rank0_running,
-                           stopping=stopping)
-    assert why is None if expected is None else expected in why
+                           stopping=stopping, transport=transport)
+    assert why is None if expected is None else (ONLY_UDP_TAKES_BACK if expected == "unknown" else expected) in why
 
 
 @pytest.mark.parametrize(("statuses", "expected"), [
@@ -165,17 +213,40 @@ def test_a_simulator_run_is_not_resumed_by_the_launchers_ranks(tmp_path: Path, m
                                        f"backend 'dist' (resume it with `shaky train --resume {run}`)\n")
 
 
-def test_restarts_on_the_gloo_transport_are_refused_in_one_line_before_training(tmp_path: Path) -> None:
-    """On gloo a rank that dies stops every rank, so a process started again would find no run: the ranks refuse
-    ``--max-restarts`` there (rank 0 says it, once), the launcher starts nothing again, and the status is 2."""
-    env = {k: v for k, v in os.environ.items() if k not in ("SHAKY_KEY", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
-                           "train", "--workers", "2", "--steps", "5", "--quiet", "--out", str(tmp_path / "run")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == ("shaky: error: shaky launch --max-restarts 1 needs dist.transport = \"udp\" (got 'gloo'): "
-                           "on gloo a rank that dies stops every rank, and a process started again cannot rejoin\n")
-    assert not (tmp_path / "run").exists()
+def test_restarts_on_gloo_over_several_machines_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Over several machines a launcher does not learn the transport: it tells its ranks its --max-restarts, and
+    on gloo, where a rank started again alone finds no run, they refuse before they train."""
+    monkeypatch.setenv(LAUNCHED_BY, "shaky launch --nproc-per-node 2 --nnodes 2 --node-rank N --max-restarts 1 train ...")
+    monkeypatch.setenv(MAX_RESTARTS_ENV, "1")
+    assert main(["train", "--backend", "dist", "--workers", "4", "--steps", "5", "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        "shaky: error: shaky launch --max-restarts 1 needs dist.transport = \"udp\" (got 'gloo') over several "
+        "machines: on gloo a rank that dies stops every rank, and a process started again cannot rejoin (on one "
+        "machine the launcher starts every rank again from the last checkpoint instead)\n")
+
+
+@pytest.mark.parametrize(("status0", "used", "stopping", "run_dir", "expected"), [
+    (-signal.SIGKILL, 0, False, "runs/x", None),
+    (3, 0, False, "runs/x", None),                      # stopped because another rank died (gloo) or rank 0 went
+    (3, 1, False, "runs/x", NO_RESTARTS_LEFT),
+    (3, 0, False, None, "rank 0 ended before it named the run directory"),
+    (0, 0, False, "runs/x", "it finished"),
+    (2, 0, False, "runs/x", "bad input"),
+    (130, 0, False, "runs/x", "stopping on request"),
+    (-signal.SIGKILL, 0, True, "runs/x", "stopping on request"),
+    (None, 0, False, "runs/x", "rank 0 runs on another machine"),
+])
+def test_group_restart_decision(status0: int | None, used: int, stopping: bool, run_dir: str | None,
+                                expected: str | None) -> None:
+    why = group_restart_decision(status0, restarts_used=used, max_restarts=1, stopping=stopping, run_dir=run_dir)
+    assert why is None if expected is None else expected in str(why)
+
+
+def test_every_rank_goes_on_with_resume_and_quiet_only() -> None:
+    assert resume_args(["--workers", "2", "--out", "runs/x", "--quiet", "--backend", "dist"], "/abs/x") == [
+        "--resume", "/abs/x", "--quiet"]
+    assert resume_args(["--resume", "runs/x"], "/abs/x") == ["--resume", "/abs/x"]
 
 
 def test_the_ranks_are_numbered_as_torchrun_numbers_them() -> None:
