@@ -125,16 +125,24 @@ def train_command(command: Sequence[str]) -> list[str]:
     return args if backends or resumed else [*args, "--backend", "dist"]
 
 
-def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts: int, rank0_running: bool,
-                     stopping: bool, transport: str | None = "udp") -> str | None:
-    """Why the rank whose process ended with ``status`` (Popen's: negative for a signal) is not started again
-    alone, or None when it is. ``transport``: the run's, None while not known yet."""
+def _ended_on_purpose(status: int, stopping: bool) -> str | None:
+    """Why a process that ended with ``status`` is not one to start again whatever else holds, or None."""
     if status == 0:
         return "it finished"
     if status == EXIT_BAD_INPUT:
         return "it stopped on bad input (status 2): a new process would too"
     if status in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGTERM) or stopping:
         return "the run is stopping on request"
+    return None
+
+
+def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts: int, rank0_running: bool,
+                     stopping: bool, transport: str | None = "udp") -> str | None:
+    """Why the rank whose process ended with ``status`` (Popen's: negative for a signal) is not started again
+    alone, or None when it is. ``transport``: the run's, None while not known yet."""
+    why = _ended_on_purpose(status, stopping)
+    if why is not None:
+        return why
     if rank == 0:
         return RANK0_STAYS_DOWN
     if not rank0_running:
@@ -152,12 +160,9 @@ def group_restart_decision(status0: int | None, *, restarts_used: int, max_resta
     another machine), is not started again from its last checkpoint (``--resume``), or None when it is."""
     if status0 is None:
         return "rank 0 runs on another machine: a run over several machines is resumed by hand"
-    if status0 == 0:
-        return "it finished"
-    if status0 == EXIT_BAD_INPUT:
-        return "it stopped on bad input (status 2): a new process would too"
-    if status0 in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGTERM) or stopping:
-        return "the run is stopping on request"
+    why = _ended_on_purpose(status0, stopping)
+    if why is not None:
+        return why
     if restarts_used >= max_restarts:
         return f"{NO_RESTARTS_LEFT} ({restarts_used} of --max-restarts {max_restarts})"
     if run_dir is None:
