@@ -22,9 +22,9 @@ from typing import Any, Iterator, Sequence
 
 from shaky.config import MAX_SCALE_PERIOD  # no torch: process_settings must come before torch loads
 from shaky.interrupt import exiting
+from shaky.launch import EXIT_BAD_INPUT, EXIT_DIVERGED  # no torch (the launcher reads them)
 from shaky.progress import say
 
-EXIT_BAD_INPUT = 2
 BAD_INPUT_GRACE_S = 2.0
 """Under torchrun, how long a rank other than 0 waits before it exits on bad input (rank 0 prints the line)."""
 
@@ -110,12 +110,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Starts this machine's ranks of `shaky train --backend dist ...` as torchrun does (RANK, "
         "WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but a rank that dies leaves the others running and, with "
         "--max-restarts, is started again: on --transport udp the survivors train on and take it back. "
-        "A run that stops (its rank 0 died, or on gloo any rank) is started again from its last checkpoint.")
+        "With --max-restarts on one machine, a run that stops (its rank 0 died, or on gloo any rank) is "
+        "started again from its last checkpoint.")
     launch.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
                         help="rank processes to start on this machine")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="how many times each rank other than 0 may be started again alone (--transport "
-                        "udp), and the whole run from its last checkpoint after it stopped (default 0)")
+                        "udp), and the whole run from its last checkpoint after it stopped (one machine; "
+                        "default 0)")
     launch.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="machines in the run, each running shaky launch (default 1)")
     launch.add_argument("--node-rank", type=int, default=0, metavar="I",
@@ -857,9 +859,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if str(exc):
             say(f"shaky: {exc}")
         return exc.code
-    except FloatingPointError as exc:
+    except FloatingPointError as exc:     # diverged: a result (summary.json says so), not a crash
         say(f"shaky: error: {exc}")
-        return 1
+        return EXIT_DIVERGED
     except KeyboardInterrupt:  # a run that was under way says more (see _stopping)
         say("shaky: interrupted")
         return 130

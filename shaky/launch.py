@@ -42,9 +42,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shaky.inject import ENV_VAR as FAULT_ENV
+from shaky.rundir import CONFIG_FILE
 from shaky.progress import say as say_line
 
 EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 4
+"""``shaky train``'s status when training diverged (a result: started again from its checkpoint it would again)."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL_S = 0.05
 """How often the launcher looks at its ranks (a restart waits at most this long to start)."""
 _PR_SET_PDEATHSIG = 1
@@ -60,6 +64,8 @@ RUN_FILE_ENV = "SHAKY_LAUNCH_RUN_FILE"
 """Set in each rank's environment on one machine: where rank 0 writes the run's directory and transport as JSON
 (``tell_launcher``), so that the launcher knows what a restart can do."""
 ONLY_UDP_TAKES_BACK = "a rank alone is taken back on the udp transport only"
+SEVERAL_MACHINES = "a run over several machines is resumed by hand (the line each rank printed)"
+NOT_WRITTEN = "rank 0 ended before it wrote the run directory: there is nothing to resume"
 KEY_ENV = "SHAKY_KEY"
 """The udp transport's key in the environment (``shaky.comm.dist.KEY_ENV``; not imported: that loads torch)."""
 
@@ -79,7 +85,8 @@ class LaunchConfig:
     master_port: int = 0
     """The rendezvous store's TCP port; 0: a free port of this machine (one machine only)."""
     max_restarts: int = 0
-    """How many times each rank (other than 0) may be started again after it dies."""
+    """How many times each rank (other than 0) may be started again alone after it dies (udp), and how many times
+    the whole run may be started again from its last checkpoint after it stopped (one machine)."""
 
     def __post_init__(self) -> None:
         for name in ("nproc_per_node", "nnodes"):
@@ -131,6 +138,8 @@ def _ended_on_purpose(status: int, stopping: bool) -> str | None:
         return "it finished"
     if status == EXIT_BAD_INPUT:
         return "it stopped on bad input (status 2): a new process would too"
+    if status == EXIT_DIVERGED:
+        return "training diverged: started again from its checkpoint it would again"
     if status in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGTERM) or stopping:
         return "the run is stopping on request"
     return None
@@ -155,18 +164,19 @@ def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts
 
 
 def group_restart_decision(status0: int | None, *, restarts_used: int, max_restarts: int, stopping: bool,
-                           run_dir: str | None) -> str | None:
+                           run_dir: str | None, one_machine: bool = True) -> str | None:
     """Why a run whose ranks on this machine have all ended, rank 0's with ``status0`` (None: rank 0 runs on
-    another machine), is not started again from its last checkpoint (``--resume``), or None when it is."""
-    if status0 is None:
-        return "rank 0 runs on another machine: a run over several machines is resumed by hand"
+    another machine), is not started again from its last checkpoint (``--resume``), or None when it is.
+    ``run_dir``: the run's directory once rank 0 has written it (its config.toml), else None."""
+    if status0 is None or not one_machine:
+        return SEVERAL_MACHINES
     why = _ended_on_purpose(status0, stopping)
     if why is not None:
         return why
     if restarts_used >= max_restarts:
         return f"{NO_RESTARTS_LEFT} ({restarts_used} of --max-restarts {max_restarts})"
     if run_dir is None:
-        return "rank 0 ended before it named the run directory"
+        return NOT_WRITTEN
     return None
 
 
@@ -216,7 +226,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher dies (Linux), so that no rank outlives it."""
+    """In the child before exec: SIGTERM when the launcher dies (Linux), so that no rank outlives it; and the
+    stop signals, which the launcher blocks while it starts a rank, unblocked."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     except (OSError, AttributeError):
@@ -234,7 +246,8 @@ class Launcher:
                                  *([f"--nnodes {cfg.nnodes} --node-rank N"] if cfg.nnodes > 1 else []),
                                  *([f"--max-restarts {cfg.max_restarts}"] if cfg.max_restarts else []), "train ..."])
         self.port = cfg.master_port or free_port(cfg.master_addr)
-        self.env = dict(os.environ if env is None else env)
+        self.env = {k: v for k, v in (os.environ if env is None else env).items()
+                    if k not in (RUN_FILE_ENV, MAX_RESTARTS_ENV)}   # this launcher's to set
         if cfg.nnodes == 1 and KEY_ENV not in self.env:
             # Every rank is a child of this process: the udp key can reach them in their environment instead of
             # through the rendezvous store, which is not encrypted (a key file given to train still wins).
@@ -274,8 +287,17 @@ class Launcher:
         return env
 
     def _start(self, rank: int) -> None:
-        self.procs[rank] = subprocess.Popen([sys.executable, "-m", "shaky", "train", *self.args], env=self._env(rank),
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+        # A stop signal that comes while the rank starts is held until it is in self.procs (then _pass_on sends
+        # it); one that came before is sent here: either way the rank gets it once.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "shaky", "train", *self.args], env=self._env(rank),
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+            self.procs[rank] = proc
+            if self.stopping is not None:
+                proc.send_signal(self.stopping)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _pass_on(self, signum: int, _frame: object) -> None:
         self.stopping = signum
@@ -294,7 +316,7 @@ class Launcher:
     def run(self) -> int:
         """Starts the ranks and watches them until each has ended for good, starting them all again from the
         run's last checkpoint where :func:`group_restart_decision` says so; returns :func:`exit_status`."""
-        old = {s: signal.signal(s, self._pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, self._pass_on) for s in STOP_SIGNALS}
         with tempfile.TemporaryDirectory(prefix="shaky-launch-") as scratch:
             if self.cfg.nnodes == 1:
                 self.run_file = os.path.join(scratch, "run.json")
@@ -319,12 +341,14 @@ class Launcher:
         """Every rank here has ended: starts them all again from the run's last checkpoint if the run failed
         and restarts are left (see :func:`group_restart_decision`); whether it did."""
         run_dir = self._run_info().get("run_dir")
+        if run_dir is not None and not os.path.isfile(os.path.join(run_dir, CONFIG_FILE)):
+            run_dir = None     # named, but rank 0 ended before it wrote the directory
         why = group_restart_decision(self.statuses.get(0), restarts_used=self.group_restarts,
                                      max_restarts=self.cfg.max_restarts, stopping=self.stopping is not None,
-                                     run_dir=run_dir)
+                                     run_dir=run_dir, one_machine=self.run_file is not None)
         failed = f"rank {self.first_failure[0]} {describe(self.first_failure[1])}" if self.first_failure else ""
         if why is not None:
-            if failed and (why.startswith(NO_RESTARTS_LEFT) or run_dir is None):
+            if failed and (why.startswith(NO_RESTARTS_LEFT) or why == NOT_WRITTEN):
                 self.say(f"{failed} and the run stopped; not started again: {why}")
             return False
         self.group_restarts += 1
@@ -343,8 +367,6 @@ class Launcher:
             status = proc.poll()
             if status is None or rank in self.statuses:
                 continue
-            if status not in (0, EXIT_BAD_INPUT) and self.first_failure is None and self.stopping is None:
-                self.first_failure = (rank, status)
             rank0 = self.procs.get(0)   # (on another machine: a process started again finds out itself)
             # One machine: rank 0 says the transport; several: assumed udp (each rank refuses restarts on gloo).
             transport = self._run_info().get("transport") if self.run_file else "udp"
@@ -359,6 +381,8 @@ class Launcher:
                 self._start(rank)
                 continue
             self.statuses[rank] = status
+            if _ended_on_purpose(status, self.stopping is not None) is None and self.first_failure is None:
+                self.first_failure = (rank, status)
             # Said where a restart alone could have been expected; a rank that stopped with a line of its own (bad
             # input, a run stopped on request or without its rank 0) has said why, and a run that stops for it
             # is started again as a whole or says why not (_restart_group).

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from shaky.cli import main
-from shaky.launch import (LAUNCHED_BY, MAX_RESTARTS_ENV, NO_RESTARTS_LEFT, ONLY_UDP_TAKES_BACK, RANK0_STAYS_DOWN,
-                          LaunchConfig, exit_status, group_restart_decision, restart_decision, resume_args,
-                          train_command)
+from shaky import launch
+from shaky.launch import (LAUNCHED_BY, MAX_RESTARTS_ENV, NO_RESTARTS_LEFT, NOT_WRITTEN, ONLY_UDP_TAKES_BACK, RANK0_STAYS_DOWN,
+                          SEVERAL_MACHINES, Launcher, LaunchConfig, exit_status, group_restart_decision,
+                          restart_decision, resume_args, train_command)
 
 ARGS = ["--transport", "udp", "--workers", "3", "--eval-every", "100", "--quiet", "--set", "network.compute_ms=1.0"]
 
@@ -138,6 +139,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step_with_a_ch
     (0, -signal.SIGKILL, 0, True, False, RANK0_STAYS_DOWN),
     (2, 0, 0, True, False, "it finished"),
     (2, 2, 0, True, False, "bad input"),
+    (2, 4, 0, True, False, "diverged"),
     (2, 130, 0, True, False, "stopping on request"),
     (2, -signal.SIGTERM, 0, True, False, "stopping on request"),
     (2, -signal.SIGKILL, 0, True, True, "stopping on request"),
@@ -230,17 +232,80 @@ def test_restarts_on_gloo_over_several_machines_are_refused_in_one_line(monkeypa
     (-signal.SIGKILL, 0, False, "runs/x", None),
     (3, 0, False, "runs/x", None),                      # stopped because another rank died (gloo) or rank 0 went
     (3, 1, False, "runs/x", NO_RESTARTS_LEFT),
-    (3, 0, False, None, "rank 0 ended before it named the run directory"),
+    (3, 0, False, None, NOT_WRITTEN),
     (0, 0, False, "runs/x", "it finished"),
     (2, 0, False, "runs/x", "bad input"),
     (130, 0, False, "runs/x", "stopping on request"),
     (-signal.SIGKILL, 0, True, "runs/x", "stopping on request"),
-    (None, 0, False, "runs/x", "rank 0 runs on another machine"),
+    (4, 0, False, "runs/x", "diverged"),
+    (None, 0, False, "runs/x", SEVERAL_MACHINES),      # rank 0 on another machine
+    (3, 0, False, "runs/x", "several"),                # this machine holds rank 0, others hold the rest
 ])
 def test_group_restart_decision(status0: int | None, used: int, stopping: bool, run_dir: str | None,
                                 expected: str | None) -> None:
-    why = group_restart_decision(status0, restarts_used=used, max_restarts=1, stopping=stopping, run_dir=run_dir)
-    assert why is None if expected is None else expected in str(why)
+    why = group_restart_decision(status0, restarts_used=used, max_restarts=1, stopping=stopping, run_dir=run_dir,
+                                 one_machine=expected != "several")
+    assert why is None if expected is None else (SEVERAL_MACHINES if expected == "several" else expected) in str(why)
+
+
+class FakeRank:
+    """A rank process whose end the test decides."""
+
+    def __init__(self, *_args: object, **_kwargs: object) -> None:
+        self.status: int | None = None
+        self.signals: list[int] = []
+
+    def poll(self) -> int | None:
+        return self.status
+
+    def send_signal(self, signum: int) -> None:
+        self.signals.append(signum)
+
+
+def _fake_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transport: str = "udp") -> tuple[Launcher, list]:
+    monkeypatch.setattr(launch.subprocess, "Popen", FakeRank)
+    lines: list[str] = []
+    launcher = Launcher(LaunchConfig(nproc_per_node=3, max_restarts=1), ["--quiet"], env={}, say=lines.append)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text("")
+    launcher.run_file = str(tmp_path / "run.json")
+    (tmp_path / "run.json").write_text(json.dumps({"run_dir": str(tmp_path / "run"), "transport": transport}))
+    for rank in range(3):
+        launcher._start(rank)
+    return launcher, lines
+
+
+def test_the_group_restart_names_the_rank_that_stopped_the_run(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """udp: rank 1 dies and is started again alone; later rank 0 dies and the others stop (status 3). The line
+    names rank 0, not the rank that was taken back long before, and every rank goes on with --resume."""
+    launcher, lines = _fake_launcher(tmp_path, monkeypatch)
+    launcher.procs[1].status = -signal.SIGKILL
+    launcher._watch()
+    assert lines[-1].startswith("rank 1 killed by SIGKILL; starting it again (1 of 1)") and not launcher.statuses
+    launcher.procs[0].status = -signal.SIGKILL
+    launcher.procs[1].status = launcher.procs[2].status = 3
+    launcher._watch()
+    assert launcher._restart_group()
+    assert lines[-1] == ("rank 0 killed by SIGKILL and the run stopped; starting every rank again from its last "
+                         f"checkpoint: train --resume {tmp_path / 'run'} (1 of 1)")
+    assert launcher.args == ["--resume", str(tmp_path / "run"), "--quiet"] and not launcher.statuses
+
+
+def test_a_stop_signal_that_comes_while_ranks_start_reaches_each_once(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher, _ = _fake_launcher(tmp_path, monkeypatch)
+    launcher._pass_on(signal.SIGINT, None)      # during the starts: ranks 0-2 are in procs, rank 2 starts again
+    launcher._start(2)
+    assert [launcher.procs[rank].signals for rank in range(3)] == [[signal.SIGINT]] * 3
+
+
+def test_a_diverged_rank_is_not_started_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher, lines = _fake_launcher(tmp_path, monkeypatch)
+    for proc in launcher.procs.values():
+        proc.status = 4
+    launcher._watch()
+    assert not launcher._restart_group() and not lines and exit_status(launcher.statuses) == 4
 
 
 def test_every_rank_goes_on_with_resume_and_quiet_only() -> None:
