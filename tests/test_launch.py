@@ -16,7 +16,7 @@ from shaky.cli import main
 from shaky import launch
 from shaky.launch import (LAUNCHED_BY, MAX_RESTARTS_ENV, NO_RESTARTS_LEFT, NOT_WRITTEN, ONLY_UDP_TAKES_BACK, RANK0_STAYS_DOWN,
                           SEVERAL_MACHINES, Launcher, LaunchConfig, exit_status, group_restart_decision,
-                          restart_decision, resume_args, train_command)
+                          free_port, restart_decision, resume_args, train_command)
 
 ARGS = ["--transport", "udp", "--workers", "3", "--eval-every", "100", "--quiet", "--set", "network.compute_ms=1.0"]
 
@@ -72,6 +72,32 @@ def test_a_dead_rank_0_stops_the_run_and_the_launcher_resumes_every_rank(restart
         assert code == 128 + signal.SIGKILL, err[-3000:]
         assert ("shaky launch: rank 0 killed by SIGKILL and the run stopped; not started again: "
                 f"{NO_RESTARTS_LEFT} (0 of --max-restarts 0)") in err, err
+
+
+def test_two_launchers_one_a_machine_make_one_run_and_the_second_starts_its_dead_rank_again(tmp_path: Path) -> None:
+    """The README's two-machine command, both machines played by this one: 2 ranks each, a key file on both.
+    Rank 3 (the second launcher's) dies at step 40 and that launcher starts it again; the run ends with 4 live
+    workers, both launchers with status 0, and only rank 0's machine prints the run directory."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SHAKY_KEY", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    (tmp_path / "shaky.key").write_text(os.urandom(32).hex())
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node",
+              "2", "--max-restarts", "1", "train", *ARGS[:2], "--workers", "4", *ARGS[4:], "--steps", "200",
+              "--key-file", str(tmp_path / "shaky.key"), "--out", str(tmp_path / "run")]
+    procs = [subprocess.Popen([sys.executable, "-m", "shaky", "launch", "--node-rank", str(node), *common],
+                              cwd=tmp_path, env={**env, "SHAKY_INJECT_FAULT": "kill:3:40"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in (1, 0)]
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=120))
+        finally:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    (out1, err1), (out0, _) = outs
+    assert "shaky launch: rank 3 killed by SIGKILL; starting it again (1 of 1)" in err1, err1
+    assert out0.strip() == f"run directory: {tmp_path / 'run'}" and not out1.strip(), outs
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["live_workers"] == 4 and summary["udp"]["membership_changes"][-1]["rejoined"] == [3], summary
 
 
 def test_on_gloo_the_launcher_resumes_every_rank_and_the_run_ends_as_one_never_stopped(tmp_path: Path) -> None:
