@@ -73,7 +73,7 @@ def test_a_frozen_rank_is_left_out_and_told_so_when_it_wakes(tmp_path: Path) -> 
     finish (its heartbeat stopped, so it was left out after dist.heartbeat_timeout_s, never a transport
     timeout), and the woken rank stops with one line saying that it was declared dead, status 3."""
     run_dir = tmp_path / "run"
-    args = [*ARGS, "--steps", "400", "--checkpoint-every", "100", "--out", str(run_dir)]
+    args = [*ARGS, "--steps", "600", "--checkpoint-every", "100", "--out", str(run_dir)]
     procs = _launch(args, tmp_path, fault="freeze:2:25")
     try:
         # Woken once the others have left it out (a metrics row with 3 live workers) and still train.
@@ -91,7 +91,7 @@ def test_a_frozen_rank_is_left_out_and_told_so_when_it_wakes(tmp_path: Path) -> 
     assert code == 3 and len(lines) == 1, err[-2000:]
     assert "rank 2 was declared dead by the others" in lines[0]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 400 and summary["live_workers"] == 3
+    assert summary["steps"] == 600 and summary["live_workers"] == 3
 
 
 def _rows_with(run_dir: Path, **values) -> list[dict]:
@@ -460,3 +460,29 @@ def _sockets_on(port: int) -> dict[tuple[int, int | None], float]:
             remote = None
         found[(sock.getsockname()[1], remote)] = sock.getsockopt(socket.IPPROTO_TCP, _TCP_RTO_MIN_US) / 1000
     return found
+
+
+def test_a_rank_paused_past_the_heartbeat_timeout_asks_whether_it_was_left_out_before_its_next_round() -> None:
+    """Rank 2 of 3 stood still (SIGSTOP) longer than dist.heartbeat_timeout_s, and the others left it out
+    meanwhile (the live set says 0,1) and went on. Its next round asks first and stops with LeftBehind before it
+    writes anything, where it used to write its record and wait for the others' (as long as their heartbeats
+    look fresh, up to the whole timeout), by which time a short run's store can be gone. Not paused, the same
+    rank writes its record first (and finds out after its wait)."""
+    from datetime import timedelta  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from shaky.comm.dist import LeftBehind, _Quorum  # noqa: PLC0415
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+    def quorum(rank: int, prefix: str, paused: float) -> _Quorum:
+        return _Quorum(lambda r: 0.0, rank, 3, prefix, 0.5, 10.0, ("127.0.0.1", server.port), b"k" * 32, 7,
+                       paused_s=lambda reset=False: paused)
+
+    for prefix, paused in (("paused", 10.0), ("awake", 0.0)):
+        quorum(0, prefix, 0.0).publish_live([0, 1])      # what the survivors wrote when they left rank 2 out
+        woken = quorum(2, prefix, paused)
+        with pytest.raises(LeftBehind, match="rank 2 was declared dead by the others"):
+            woken.round(woken.take_seq(), b"late", (0, 1, 2), admit=False)
+        assert server.check([f"{prefix}/0/2"]) == (paused == 0.0)

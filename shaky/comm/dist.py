@@ -178,6 +178,9 @@ class DistComm:
         """The heartbeat thread also notes when every other rank's heartbeat last moved (:meth:`silent_s`)."""
         self._beats_seen: dict[int, tuple[int, float]] = {}
         self._looked_at = 0.0
+        self._last_beat = time.monotonic()
+        self._longest_gap = 0.0
+        """The longest time between two of this process's beats since :meth:`paused_s` last reset it."""
         self._beater: threading.Thread | None = None
         self._beat_store = self._store
         """Where the heartbeats are (the rendezvous store; with live membership, the control store)."""
@@ -188,6 +191,7 @@ class DistComm:
         """Beats in ``store`` from now on, from a thread (with a client of its own where a wait may block
         another: a beat must never wait behind one)."""
         self._heartbeat, self._beat_store = True, store
+        self._last_beat = time.monotonic()
         self._beater = threading.Thread(target=self._beat, name="shaky-heartbeat", daemon=True)
         self._beater.start()
 
@@ -196,6 +200,8 @@ class DistComm:
         others = [r for r in range(self.num_workers) if r != self.rank]
         store = self._beat_store
         while True:
+            now = time.monotonic()
+            self._longest_gap, self._last_beat = max(self._longest_gap, now - self._last_beat), now
             try:
                 store.add(key, 1)
                 if self.watching:     # live membership: when each other rank's heartbeat last moved
@@ -212,6 +218,15 @@ class DistComm:
                 return
             if self._beating.wait(HEARTBEAT_S):
                 return
+
+    def paused_s(self, reset: bool = False) -> float:
+        """The longest this process has lately gone without a beat, a gap still under way included: a SIGSTOP or
+        a stalled machine stops the heartbeat thread too, and a pause past ``dist.heartbeat_timeout_s`` may have
+        got this rank left out. ``reset``: from now on, count only later gaps."""
+        paused = max(self._longest_gap, time.monotonic() - self._last_beat)
+        if reset:
+            self._longest_gap = 0.0
+        return paused
 
     def silent_s(self, rank: int) -> float:
         """How long ``rank``'s heartbeat has not moved (with :attr:`watching`; 0 before the first look): from
@@ -628,7 +643,7 @@ class _Quorum:
 
     def __init__(self, silent_s: Callable[[int], float], rank: int, num_workers: int, prefix: str, timeout_s: float,
                  store_timeout_s: float, address: tuple[str, int], key: bytes, run_id: int,
-                 latency_s: float = 0.0) -> None:
+                 latency_s: float = 0.0, paused_s: Callable[..., float] | None = None) -> None:
         host, port = address      # the control store's (:class:`_ControlStore`)
         self._latency_s = latency_s
         """The one-way latency to emulate between this rank and the store (``dist.emulate_latency``): a round's
@@ -647,6 +662,8 @@ class _Quorum:
         self._swept: dict[int, list[str]] = {}
         """The keys of each round taken in that this rank deletes once every survivor has taken it in."""
         self._silent_s = silent_s
+        self._paused_s = paused_s
+        """This process's own longest pause lately (``DistComm.paused_s``), where it has a heartbeat."""
         self.rank, self.prefix, self.timeout_s = rank, prefix, timeout_s
         self.live: tuple[int, ...] = tuple(range(num_workers))
         """The ranks alive as of the last round taken in, the same on every survivor (set by the comm)."""
@@ -729,6 +746,14 @@ class _Quorum:
         message = b"shaky control\0" + self._run + name.encode() + b"\0" + value
         return hmac.digest(self._key, message, "sha256")[:_SEAL_BYTES]
 
+    def ask_if_paused(self, store: dist.Store) -> None:
+        """LeftBehind if this process stood still longer than the others wait for a beat (a SIGSTOP, a stalled
+        machine: ``DistComm.paused_s``) and they left it out meanwhile. Asked, not waited for: the rounds that
+        left it out may be cleaned away, and a round in flight across the pause waits out its own timeout."""
+        if self._paused_s is not None and self._paused_s() > self.timeout_s:
+            self._check_still_live(store)
+            self._paused_s(reset=True)
+
     def _check_still_live(self, store: dist.Store) -> None:
         if store.check([self.live_key]) and \
                 str(self.rank) not in self.opened(self.live_key, store.get(self.live_key)).decode().split(","):
@@ -758,6 +783,7 @@ class _Quorum:
         record is in). ``admit``: the round may take in ranks started again (the first round submitted in
         each step)."""
         store, key = self.client(), f"{self.prefix}/{seq}"
+        self.ask_if_paused(store)
         t0 = time.perf_counter()
         ranks = [self.rank, *(r for r in live if r != self.rank)]      # this rank's own key read first
         keys = [f"{key}/{r}" for r in ranks]
@@ -1059,7 +1085,7 @@ class UdpDistComm(DistComm):
                                                 timeout=timedelta(seconds=self._control.timeout_s)))
         self._quorum = None if self._control is None else _Quorum(
             self.silent_s, me, w, f"{prefix}/q", heartbeat_timeout_s, self._control.timeout_s, self._control.address,
-            key, run_id, latency_s=latency_s[0] if latency_s and me != 0 else 0.0)
+            key, run_id, latency_s=latency_s[0] if latency_s and me != 0 else 0.0, paused_s=self.paused_s)
         self.watching = self._quorum is not None
         self.control_round_trips = 0 if self._quorum is None else CONTROL_ROUND_TRIPS
         if self._quorum is not None:    # every thread that runs rounds, connected before the first
@@ -1411,7 +1437,12 @@ class UdpDistComm(DistComm):
         holds (rounds that ran at once may each have left out a dead rank, or, for a rank that a round before
         left out and that woke up, not), the same on every survivor, who all take rounds in in the same order.
         A membership change holds from the next step."""
-        result, extra = rnd.future.result()
+        while True:
+            try:
+                result, extra = rnd.future.result(timeout=HEARTBEAT_S)
+                break
+            except TimeoutError:    # (a round that ran across a pause of this process)
+                self._rounds_quorum().ask_if_paused(self._rounds_quorum().client())
         self._rounds.popleft()
         q, records = self._rounds_quorum(), result.records
         size = len(records[self.rank])
