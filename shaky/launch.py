@@ -346,13 +346,16 @@ class Launcher:
         why = group_restart_decision(self.statuses.get(0), restarts_used=self.group_restarts,
                                      max_restarts=self.cfg.max_restarts, stopping=self.stopping is not None,
                                      run_dir=run_dir, one_machine=self.run_file is not None)
-        failed = f"rank {self.first_failure[0]} {describe(self.first_failure[1])}" if self.first_failure else ""
+        # On udp only rank 0 stops the run (a rank lost before it was left out); elsewhere the first to die did.
+        culprit = (0, self.statuses[0]) if self._run_info().get("transport") == "udp" and 0 in self.statuses \
+            else self.first_failure
+        failed = f"rank {culprit[0]} {describe(culprit[1])}" if culprit else ""
         if why is not None:
             if failed and (why.startswith(NO_RESTARTS_LEFT) or why == NOT_WRITTEN):
                 self.say(f"{failed} and the run stopped; not started again: {why}")
             return False
         self.group_restarts += 1
-        self.say(f"{failed or 'rank 0 ' + describe(self.statuses[0])} and the run stopped; starting every rank "
+        self.say(f"{failed} and the run stopped; starting every rank "
                  f"again from its last checkpoint: train --resume {run_dir} ({self.group_restarts} of "
                  f"{self.cfg.max_restarts})")
         self.args = resume_args(self.args, str(run_dir))

@@ -318,6 +318,22 @@ def test_the_group_restart_names_the_rank_that_stopped_the_run(tmp_path: Path,
     assert launcher.args == ["--resume", str(tmp_path / "run"), "--quiet"] and not launcher.statuses
 
 
+def test_on_udp_the_group_restart_names_rank_0_even_after_a_rank_was_lost_for_good(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """udp: rank 2 dies twice (its one restart used, it stays down: the run goes on without it), then rank 0
+    dies and takes the run with it: the line names rank 0."""
+    launcher, lines = _fake_launcher(tmp_path, monkeypatch)
+    launcher.procs[2].status = -signal.SIGKILL
+    launcher._watch()
+    launcher.procs[2].status = -signal.SIGKILL
+    launcher._watch()
+    assert lines[-1].startswith("rank 2 killed by SIGKILL; not started again: it has no restarts left")
+    launcher.procs[0].status, launcher.procs[1].status = -signal.SIGABRT, 3     # rank 0 crashed
+    launcher._watch()
+    assert launcher._restart_group()
+    assert lines[-1].startswith("rank 0 killed by SIGABRT and the run stopped; starting every rank again"), lines
+
+
 def test_a_stop_signal_that_comes_while_ranks_start_reaches_each_once(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     launcher, _ = _fake_launcher(tmp_path, monkeypatch)
