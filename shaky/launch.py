@@ -40,9 +40,10 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from shaky.inject import ENV_VAR as FAULT_ENV
-from shaky.rundir import CONFIG_FILE
+from shaky.rundir import CONFIG_FILE, write_json
 from shaky.progress import say as say_line
 
 EXIT_BAD_INPUT = 2
@@ -146,7 +147,7 @@ def _ended_on_purpose(status: int, stopping: bool) -> str | None:
 
 
 def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts: int, rank0_running: bool,
-                     stopping: bool, transport: str | None = "udp") -> str | None:
+                     stopping: bool, transport: str | None) -> str | None:
     """Why the rank whose process ended with ``status`` (Popen's: negative for a signal) is not started again
     alone, or None when it is. ``transport``: the run's, None while not known yet."""
     why = _ended_on_purpose(status, stopping)
@@ -190,9 +191,7 @@ def tell_launcher(run_dir: str, transport: str) -> None:
     """Rank 0 of a launcher on one machine: the run's directory and transport, to the file the launcher reads."""
     path = os.environ.get(RUN_FILE_ENV)
     if path:
-        with open(f"{path}.part", "w", encoding="utf-8") as f:
-            json.dump({"run_dir": run_dir, "transport": transport}, f)
-        os.replace(f"{path}.part", path)
+        write_json(Path(path), {"run_dir": run_dir, "transport": transport})
 
 
 def describe(status: int) -> str:

@@ -334,7 +334,7 @@ def test_on_udp_the_group_restart_names_rank_0_even_after_a_rank_was_lost_for_go
     assert lines[-1].startswith("rank 0 killed by SIGABRT and the run stopped; starting every rank again"), lines
 
 
-def test_a_stop_signal_that_comes_while_ranks_start_reaches_each_once(tmp_path: Path,
+def test_a_stop_signal_reaches_a_rank_started_after_it_and_every_rank_once(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     launcher, _ = _fake_launcher(tmp_path, monkeypatch)
     launcher._pass_on(signal.SIGINT, None)      # during the starts: ranks 0-2 are in procs, rank 2 starts again
