@@ -27,6 +27,9 @@ from shaky.progress import say
 
 BAD_INPUT_GRACE_S = 2.0
 """Under torchrun, how long a rank other than 0 waits before it exits on bad input (rank 0 prints the line)."""
+RESUME_ERROR_WAIT_S = 30.0
+"""How long rank 0 of a resumed run that stops on bad input waits for the other ranks to read that (their
+machines may have no copy of the run directory: rank 0's answer is all they learn)."""
 
 
 def _ms_or_adaptive(text: str) -> float | str:
@@ -222,7 +225,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg, run_dir = _train_config(args)
         if _launcher() == "shaky launch":
-            _check_launched(cfg, run_dir)
+            _check_launched(cfg)
         joining = _joining(cfg.dist_timeout_s) if cfg.backend == "dist" else None
         if joining is None:
             _check_out(args)
@@ -292,15 +295,13 @@ def _dist_command() -> str:
     return os.environ.get(LAUNCHED_BY) or "torchrun ... -m shaky train"
 
 
-def _check_launched(cfg: Any, run_dir: Path) -> None:
-    """A rank of ``shaky launch``: a dist run (a resumed run's saved config could say otherwise), and where the
-    launcher cannot learn the transport (several machines) and has ``--max-restarts N`` (N > 0), the transport
-    that takes a process started again back: on gloo it would start a rank again into a run that has stopped."""
+def _check_launched(cfg: Any) -> None:
+    """A rank of ``shaky launch`` where the launcher cannot learn the transport (several machines) and has
+    ``--max-restarts N`` (N > 0): the transport must take a process started again back; on gloo it would start a
+    rank again into a run that has stopped. (That a resumed run is a dist run, rank 0 checks for every launcher:
+    :func:`_hand_out_resume`.)"""
     from shaky.launch import MAX_RESTARTS_ENV  # noqa: PLC0415
 
-    if cfg.backend != "dist":
-        raise BadInput(f"--resume {run_dir}: a run on backend {cfg.backend!r}, and shaky launch runs backend "
-                       f"'dist' (resume it with `shaky train --resume {run_dir}`)")
     restarts = os.environ.get(MAX_RESTARTS_ENV, "0")
     if restarts != "0" and cfg.dist.transport != "udp":
         raise BadInput(f"shaky launch --max-restarts {restarts} needs dist.transport = \"udp\" (got "
@@ -313,6 +314,8 @@ def _checkpoint_note(run_dir: Path, command: str) -> str:
     from shaky.rundir import CHECKPOINT_FILE, load_checkpoint  # noqa: PLC0415
 
     path = run_dir / CHECKPOINT_FILE
+    if not run_dir.is_dir():    # a rank on another machine than rank 0, which writes the run directory
+        return f"in {run_dir} on rank 0's machine, if any; resume with `{command} --resume {run_dir}`"
     if not path.exists():
         return f"none yet (`{command} --resume {run_dir}` starts the run again from step 0)"
     try:
@@ -446,6 +449,8 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
                           "config": to_dict(cfg), "transport": cfg.dist.transport})
         tell_launcher(str(run_dir.resolve()), cfg.dist.transport)
     try:
+        if args.resume:
+            _check_handed_out(cfg, comm.rank)
         with _stopping(run_dir, _dist_command(), writer=writer):
             summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
                             label=cfg.strategy.name, progress=not args.quiet, faults=_faults())
@@ -474,6 +479,20 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     return 0
 
 
+def _check_handed_out(cfg: Any, rank: int) -> None:
+    """A resumed run: the config a rank > 0 took from the rendezvous store, which takes writes from whoever
+    reaches it, is rank 0's own (sent over the process group): nothing from outside the run configures a rank."""
+    from shaky.comm.dist import ForgedRecord, broadcast_object  # noqa: PLC0415
+    from shaky.config import to_dict  # noqa: PLC0415
+
+    mine = json.loads(json.dumps(to_dict(cfg)))
+    differs = _first_difference(mine, broadcast_object(mine))
+    if differs is not None:
+        name, got, theirs = differs
+        raise ForgedRecord(f"rank {rank}: the resumed run's config in the rendezvous store is not rank 0's (its "
+                           f"{name} is {got!r}, rank 0's {theirs!r}): something outside the run wrote it")
+
+
 def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
     from shaky.config import config_from_dict  # noqa: PLC0415
     from shaky.train import load_run_config, new_run_dir  # noqa: PLC0415
@@ -482,12 +501,69 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
         given = [n for n in (*_FLAGS, "config", "out") if getattr(args, n) is not None] + (["set"] if args.set else [])
         if given:
             raise BadInput(f"--resume continues with the run's saved config; drop --{given[0].replace('_', '-')}")
+        rank = _job_rank()
+        if rank:
+            return _resumed_from_rank_0()
         run_dir = Path(args.resume)
+        if rank == 0:
+            return _hand_out_resume(run_dir), run_dir
         cfg = load_run_config(run_dir)
     else:
         cfg = config_from_dict(_absolute_paths(_config_values(args)))
         run_dir = Path(args.out) if args.out else new_run_dir(_default_out(cfg))
     return cfg, run_dir
+
+
+def _job_rank() -> int | None:
+    """This process's rank in a job that torchrun or shaky launch started (RANK and MASTER_PORT set), else None."""
+    if "MASTER_PORT" not in os.environ:
+        return None
+    try:
+        return int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _hand_out_resume(run_dir: Path) -> Any:
+    """Rank 0 of a resumed run reads its config from the run directory and hands it, with the directory, to the
+    other ranks through the rendezvous store before the process group forms: their machines need no copy of the
+    directory (the checkpoint follows over the group, ``shaky.train``). Bad input goes to them too, so that every
+    rank stops at once with status 2 (rank 0 says why)."""
+    from shaky.comm.dist import hand_out_resume  # noqa: PLC0415
+    from shaky.config import to_dict  # noqa: PLC0415
+    from shaky.train import load_run_config  # noqa: PLC0415
+
+    try:
+        try:
+            cfg = load_run_config(run_dir)
+        except (ValueError, TypeError) as exc:
+            raise BadInput(str(exc)) from None
+        if cfg.backend != "dist":
+            raise BadInput(f"--resume {run_dir}: a run on backend {cfg.backend!r}, and {_launcher()} runs backend "
+                           f"'dist' (resume it with `shaky train --resume {run_dir}`)")
+    except BadInput as exc:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            say(f"shaky: error: {exc}")
+            hand_out_resume({"error": str(exc)}, RESUME_ERROR_WAIT_S)
+            raise Stop("", EXIT_BAD_INPUT) from None
+        raise
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        hand_out_resume({"config": to_dict(cfg), "run_dir": str(run_dir.resolve())}, cfg.dist_timeout_s)
+    return cfg
+
+
+def _resumed_from_rank_0() -> tuple[Any, Path]:
+    """A rank > 0 of a resumed run: the config and directory rank 0 handed out (:func:`_hand_out_resume`)."""
+    from shaky.comm.dist import NoResume, resumed_run  # noqa: PLC0415
+    from shaky.config import DIST_TIMEOUT_S, config_from_dict  # noqa: PLC0415
+
+    try:    # the run's own dist_timeout_s is in the answer: wait as long as a new run's ranks wait by default
+        answer = resumed_run(DIST_TIMEOUT_S)
+    except NoResume as exc:
+        raise Stop(f"error: {exc}", 3) from None
+    if "error" in answer:
+        raise BadInput(answer["error"])     # rank 0 says it
+    return config_from_dict(answer["config"]), Path(answer["run_dir"])
 
 
 def _check_out(args: argparse.Namespace) -> None:

@@ -320,6 +320,10 @@ class NetworkConfig:
                              f"(got {self.wan_bandwidth_mbps!r} and no regions)")
 
 
+DIST_TIMEOUT_S = 60.0
+"""dist_timeout_s's default: how long a collective (and joining the process group) waits before it fails."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DistConfig:
     """The dist backend's data plane: how the exchanges' blocks travel between the torchrun processes."""
@@ -433,7 +437,7 @@ class RunConfig:
     SIGINT or SIGTERM stops the run; a SIGKILL then loses everything since the start)."""
     backend: str = "sim"
     """sim: all workers in this process; dist: one worker per process, started by torchrun (gloo)."""
-    dist_timeout_s: float = 60.0
+    dist_timeout_s: float = DIST_TIMEOUT_S
     """dist backend: a collective that waits longer than this fails (a dead or hung rank)."""
     dtype: str = "float32"
     """Parameter precision: float32 or float64."""

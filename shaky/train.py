@@ -123,13 +123,14 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms,
                   exchange_compute_ms=cfg.network.exchange_compute_ms, control_round_trips=comm.control_round_trips)
     masks = _Masks(MaskLog(cfg.num_workers, cfg.steps), observing=_observes_losses(cfg))
+    last: dict[str, Any] | None = None     # a resumed run's last evaluation
     if welcome is not None:
         params, state, counters = _rejoin(setup, welcome, clock, masks, members)
     else:
-        params, state, counters = _start(setup, run_dir, comm, clock, masks, resume=resume, writer=writer)
+        params, state, counters, last = _start(setup, run_dir, comm, clock, masks, resume=resume, writer=writer)
     t_start = time.perf_counter()
     bar = Progress(cfg.steps, counters.step, label, progress and writer)
-    metrics = _Metrics(setup, members, comm, run_dir, bar, writer, counters, t_start)
+    metrics = _Metrics(setup, members, comm, run_dir, bar, writer, counters, t_start, last)
     if counters.step == 0:
         metrics.log(params, None, None)
     with SignalWatch(announce=writer and progress) as signals:
@@ -300,31 +301,59 @@ class _LossMeans:
 
 
 def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: _Masks, *, resume: bool,
-           writer: bool) -> tuple[torch.Tensor, Any, Counters]:
-    """The parameters, strategy state and counters to start from: fresh, or from the checkpoint."""
+           writer: bool) -> tuple[torch.Tensor, Any, Counters, dict[str, Any] | None]:
+    """The parameters, strategy state and counters to start from, and the last evaluation row before them:
+    fresh, or from the checkpoint.
+
+    A resumed run's checkpoint is read by the writer (rank 0) alone and handed to every other rank
+    (``comm.broadcast``): the run directory need not be on their machines, and a stale copy of it there is
+    never read."""
     cfg, rows = setup.cfg, comm.rows.tolist()
-    if resume and (run_dir / CHECKPOINT_FILE).is_file():
-        ckpt = load_checkpoint(run_dir)
-        counters = Counters(**ckpt["counters"])
-        if "compute_ms" in ckpt:  # the run's own compute time, not a new measurement: its clock goes on alike
-            setup.compute_ms = float(ckpt["compute_ms"])
-            clock.compute_s = setup.compute_ms / 1e3
+    found = comm.broadcast(_resume_point(setup, run_dir) if writer else None) if resume else None
+    if found is not None:
+        counters = Counters(**found["counters"])
+        setup.compute_ms = found["compute_ms"]  # the run's own compute time, not a new measurement: its clock goes on alike
+        clock.compute_s = setup.compute_ms / 1e3
         # Exchanges still in flight at the checkpoint arrive after the resume as they would have without it.
-        clock.state = ckpt.get("clock") or ClockState(counters.step, counters.sim_time_s, counters.sim_time_s)
-        recorded = _recorded_masks(setup, run_dir, counters.step) if _observes_losses(cfg) else setup.network
-        for r in range(counters.step):
-            masks.log.append(recorded.sample(r))
+        clock.state = found["clock"]
+        masks.log.restore(found["masks"])
         if writer:
             truncate_metrics(run_dir, counters.step)
         device = setup.device
-        return (ckpt["params"][rows].to(device), map_rows(ckpt["state"], lambda t: t[rows].to(device)), counters)
+        return (found["params"][rows].to(device), map_rows(found["state"], lambda t: t[rows].to(device)), counters,
+                found["last"])
     params = setup.flat.flatten(setup.model)[None].repeat(len(rows), 1)
     if writer:
         shards = shard_summary(setup.shards, setup.data.y_train.cpu().numpy(), setup.data.num_classes)
         for entry, shard in zip(shards, setup.shards):
             entry["indices"] = [int(i) for i in shard]
         create(run_dir, cfg, shards, again=resume)  # resume without a checkpoint: the run starts again
-    return params, setup.strategy.init(params), Counters()
+    return params, setup.strategy.init(params), Counters(), None
+
+
+def _resume_point(setup: Setup, run_dir: Path) -> dict[str, Any] | None:
+    """What a resumed run goes on from, read from ``run_dir`` (None: no checkpoint, the run starts again): the
+    checkpoint's parameters, state, counters, clock and compute time, and the delivery masks of the rounds
+    before it (a udp run's as recorded in its trace, others' drawn again from the seed), and the last row of
+    metrics.jsonl (the summary of a run resumed when it had finished reads it)."""
+    if not (run_dir / CHECKPOINT_FILE).is_file():
+        return None
+    ckpt = load_checkpoint(run_dir)
+    counters = Counters(**ckpt["counters"])
+    log = MaskLog(setup.cfg.num_workers, counters.step)
+    recorded = _recorded_masks(setup, run_dir, counters.step) if _observes_losses(setup.cfg) else setup.network
+    for r in range(counters.step):
+        log.append(recorded.sample(r))
+    return {"params": ckpt["params"], "state": ckpt["state"], "counters": ckpt["counters"],
+            "clock": ckpt.get("clock") or ClockState(counters.step, counters.sim_time_s, counters.sim_time_s),
+            "compute_ms": float(ckpt["compute_ms"]) if "compute_ms" in ckpt else setup.compute_ms,
+            "masks": log.packed(), "last": _last_row(run_dir, counters.step)}
+
+
+def _last_row(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """The last evaluation row of metrics.jsonl at or before ``step``."""
+    rows = [r for r in read_metrics(run_dir, trim_torn=True) if r["step"] <= step]
+    return rows[-1] if rows else None
 
 
 def _rejoin(setup: Setup, welcome: dict[str, Any], clock: Clock, masks: _Masks,
@@ -410,7 +439,7 @@ class _Metrics:
     """The evaluation rows of metrics.jsonl and the summary built from the last one."""
 
     def __init__(self, setup: Setup, members: FailureSchedule, comm: Comm, run_dir: Path, bar: Progress,
-                 writer: bool, counters: Counters, t_start: float) -> None:
+                 writer: bool, counters: Counters, t_start: float, last: dict[str, Any] | None = None) -> None:
         self.setup, self.members, self.comm, self.run_dir = setup, members, comm, run_dir
         self.bar, self.writer, self.counters, self.t_start = bar, writer, counters, t_start
         self.transport_before = dict(counters.transport)
@@ -418,7 +447,7 @@ class _Metrics:
         """Seconds waited for exchanges up to the checkpoint this run resumed from."""
         """The real transport's counts up to the checkpoint this run resumed from (empty: a fresh run)."""
         self.held = [set(s.tolist()) for s in setup.shards] if setup.cfg.failures else None
-        self.last: dict[str, Any] | None = None
+        self.last = last
 
     def log(self, params: torch.Tensor, grads: torch.Tensor | None,
             live_weights: torch.Tensor | None) -> dict[str, Any]:
@@ -447,6 +476,7 @@ class _Metrics:
         return row
 
     def summary(self, *, diverged: bool = False, error: str = "", udp: dict[str, Any] | None = None) -> Summary:
-        last = self.last or read_metrics(self.run_dir)[-1]  # resumed from a finished run: its last evaluation
-        return Summary.from_run(self.setup.cfg, last, self.counters, compute_ms=self.setup.compute_ms,
+        if self.last is None:
+            raise ValueError(f"{self.run_dir}: no evaluation row to summarise (metrics.jsonl is empty)")
+        return Summary.from_run(self.setup.cfg, self.last, self.counters, compute_ms=self.setup.compute_ms,
                                 num_parameters=self.setup.flat.dim, diverged=diverged, error=error, udp=udp)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -234,11 +235,110 @@ def test_a_simulator_run_is_not_resumed_by_the_launchers_ranks(tmp_path: Path, m
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     assert main(["train", "--workers", "2", "--steps", "2", "--quiet", "--out", str(run)]) == 0
-    monkeypatch.setenv(LAUNCHED_BY, "shaky launch --nproc-per-node 2 train ...")
+    monkeypatch.setenv(LAUNCHED_BY, "shaky launch --nproc-per-node 1 train ...")
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--quiet"]) == 2
     assert capsys.readouterr().err == (f"shaky: error: --resume {run}: a run on backend 'sim', and shaky launch runs "
                                        f"backend 'dist' (resume it with `shaky train --resume {run}`)\n")
+
+
+def _hiding(path: Path) -> list[str]:
+    """A command prefix that runs the command where ``path`` is an empty directory (a private mount namespace with
+    a tmpfs over it): another machine, with no copy of what is there."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"',
+            str(path)]
+
+
+def _why_no_mount_namespace() -> str:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare (a mount namespace plays a machine without the run directory)"
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True)
+    return "" if probe.returncode == 0 else "unshare --mount is refused here"
+
+
+def _two_machines(tmp_path: Path, train_args: list[str], fault: str = "") -> list[tuple[int, str]]:
+    """Two launchers (--nnodes 2, 2 ranks each) on this machine: node 0 works in tmp_path/a, node 1 in tmp_path/b
+    and sees tmp_path/a empty. Returns each node's (status, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SHAKY_KEY", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node",
+              "2", "train", *train_args]
+    (tmp_path / "a").mkdir(exist_ok=True)
+    (tmp_path / "b").mkdir(exist_ok=True)
+    launch = [sys.executable, "-m", "shaky", "launch"]
+    procs = [subprocess.Popen([*_hiding(tmp_path / "a"), *launch, "--node-rank", "1", *common], cwd=tmp_path / "b",
+                              env={**env, "SHAKY_INJECT_FAULT": fault}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True),
+             subprocess.Popen([*launch, "--node-rank", "0", *common], cwd=tmp_path / "a",
+                              env={**env, "SHAKY_INJECT_FAULT": fault}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)]
+    ends = []
+    for proc in procs[::-1]:
+        try:
+            ends.append((proc.communicate(timeout=150)[1], proc.returncode))
+        finally:
+            proc.kill()
+    return [(code, err) for err, code in ends]
+
+
+@pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
+def test_a_run_over_two_machines_resumes_where_only_rank_0_s_machine_has_its_directory(tmp_path: Path) -> None:
+    """gloo over two launchers, the second of which never sees the run directory: rank 3 dies at step 30 and
+    stops the run; `--resume run` on both machines (the second's `run` does not exist) finishes it, rank 0 handing
+    the config and the checkpoint to the others, and every number of metrics.jsonl and summary.json equals that
+    of a run never stopped but the measured seconds."""
+    train_args = ["--workers", "4", "--steps", "60", "--checkpoint-every", "20", "--set", "network.compute_ms=1.0",
+                  "--quiet"]
+    stopped = _two_machines(tmp_path, [*train_args, "--out", "run"], "kill:3:30")
+    assert [code for code, _ in stopped] == [3, 3], stopped
+    assert "rank 3 stopped answering after step 29" in stopped[0][1], stopped
+    resumed = _two_machines(tmp_path, ["--resume", "run", "--quiet"])
+    assert [code for code, _ in resumed] == [0, 0], resumed
+    whole = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nproc-per-node", "4", "train", *train_args,
+                            "--out", str(tmp_path / "whole")], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=150)
+    assert whole.returncode == 0, whole.stderr
+
+    def numbers(out: Path) -> tuple[list[dict], dict]:
+        measured = ("wall_time_s", "wait_s")
+        rows = [{k: v for k, v in json.loads(line).items() if k not in measured}
+                for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return rows, {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k not in measured}
+
+    assert numbers(tmp_path / "a" / "run") == numbers(tmp_path / "whole")
+    assert not (tmp_path / "b" / "run").exists()
+
+
+@pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
+def test_bad_input_in_a_resumed_run_reaches_the_machines_without_its_directory(tmp_path: Path) -> None:
+    """Rank 0 finds that the run to resume is a simulator run: it says so in one line, and the ranks of the machine
+    that has no copy of the directory learn it from rank 0 and stop with status 2 too (not after waiting for a
+    process group that never forms)."""
+    assert main(["train", "--workers", "4", "--steps", "2", "--quiet", "--out", str(tmp_path / "a" / "run")]) == 0
+    (node0, err0), (node1, err1) = _two_machines(tmp_path, ["--resume", "run", "--quiet"])
+    assert (node0, node1) == (2, 2), (err0, err1)
+    errors = [line for line in err0.splitlines() if line.startswith("shaky: error:")]
+    assert errors == ["shaky: error: --resume run: a run on backend 'sim', and shaky launch runs backend 'dist' "
+                      "(resume it with `shaky train --resume run`)"], err0
+    assert "shaky: error" not in err1, err1
+
+
+def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rendezvous store takes writes from anyone: a resumed rank checks the config it took there against rank
+    0's own, sent over the process group, and stops naming the setting that differs."""
+    from shaky import cli
+    from shaky.comm import dist as shaky_dist
+    from shaky.config import RunConfig, to_dict
+
+    ours = RunConfig(backend="dist", num_workers=2)
+    rank0 = json.loads(json.dumps(to_dict(ours)))
+    rank0["optim"]["lr"] = 0.5
+    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: rank0)
+    with pytest.raises(shaky_dist.ForgedRecord, match=r"rank 1: .*\(its optim\.lr is 0\.1, rank 0's 0\.5\)"):
+        cli._check_handed_out(ours, 1)
+    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: value)
+    cli._check_handed_out(ours, 1)
 
 
 def test_restarts_on_gloo_over_several_machines_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch,

@@ -157,6 +157,12 @@ class Comm(Protocol):
         """Every worker's rows [W, ...] (for checkpoints); a collective on the dist backend."""
         ...
 
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (what rank 0 read of the run directory when a run resumes: the other
+        ranks' machines may have no copy of it); a collective on the dist backend, ``value`` itself in the
+        simulator."""
+        ...
+
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
                       overwrite: bool = False, segment_bytes: int = 0) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import importlib
 import io
 import json
 import os
@@ -374,6 +375,10 @@ class DistComm:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts)
 
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (pickled, over gloo: every rank is there when a run resumes)."""
+        return broadcast_object(value)
+
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
                       overwrite: bool = False) -> torch.Tensor:
@@ -600,6 +605,70 @@ def run_in_progress(timeout_s: float) -> JoinStore | None:
     if not raw.check([RUN_KEY]) or raw.check([ENDED_KEY]):
         return None
     return JoinStore(raw, rank, world, json.loads(raw.get(RUN_KEY).decode()))
+
+
+RESUME_KEY = "shaky/resume"
+"""A resumed run's config and directory, or the bad input that stops it, which rank 0 reads from the run
+directory and sets in the rendezvous store before the process group forms (:func:`hand_out_resume`): the other
+ranks' machines need no copy of the directory."""
+RESUME_READ_KEY = "shaky/resume/read"
+"""How many ranks have read :data:`RESUME_KEY` (a counter)."""
+_early_stores: list[dist.Store] = []
+"""Rank 0's own handle on the rendezvous store, opened before the process group: it hosts the store there (torch's
+server is shared by every TCPStore of the process on that port), and must outlive the group's handle."""
+
+
+def _job_address() -> tuple[int, int, str, int]:
+    """RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT of a torchrun-style job."""
+    try:
+        return (int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1")), os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]))
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"backend dist must be started by torchrun or shaky launch (RANK, WORLD_SIZE, "
+                         f"MASTER_ADDR and MASTER_PORT: {exc})") from None
+
+
+def hand_out_resume(answer: dict[str, Any], timeout_s: float) -> None:
+    """Rank 0 of a resumed run, before it joins the process group: sets ``answer`` (``{"config", "run_dir"}``,
+    or ``{"error"}``) in the rendezvous store, which it opens as joining the group would (hosting it, unless
+    torchrun's agent does). With an error it then waits, at most ``timeout_s``, until every other rank has read
+    it: the store may go with this process, and they would wait for it until their timeout."""
+    _, world, host, port = _job_address()
+    # As torch.distributed's env:// rendezvous makes it, without waiting for the other ranks to join (they join
+    # the group later, and the group's handle waits for them). The package's name `rendezvous` is a function.
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    hosts = not rendezvous._torchelastic_use_agent_store()
+    store = dist.TCPStore(host, port, world if hosts else None, is_master=hosts, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False, multi_tenant=hosts,
+                          use_libuv=rendezvous._get_use_libuv_from_query_dict({}))
+    _early_stores.append(store)
+    store.set(RESUME_KEY, json.dumps(answer))
+    if "error" in answer:
+        deadline = time.monotonic() + timeout_s
+        while store.add(RESUME_READ_KEY, 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+class NoResume(RuntimeError):
+    """A rank > 0 of a resumed run got nothing from rank 0 (no store, or rank 0 went before it answered)."""
+
+
+def resumed_run(timeout_s: float) -> dict[str, Any]:
+    """Rank > 0 of a resumed run, before it joins the process group: rank 0's answer (:func:`hand_out_resume`),
+    waiting at most ``timeout_s`` for the store to come up and for the answer."""
+    rank, _, host, port = _job_address()
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store.wait([RESUME_KEY])
+        answer = json.loads(store.get(RESUME_KEY).decode())
+        store.add(RESUME_READ_KEY, 1)
+    except (RuntimeError, ValueError) as exc:   # DistStoreError (a timeout) and DistNetworkError are RuntimeErrors
+        raise NoResume(f"rank {rank} got no answer from rank 0 at {host}:{port} within {timeout_s:g} s: a resumed "
+                       "run's config and checkpoint come from rank 0, which reads the run directory (is it "
+                       f"running? {' '.join(str(exc).split())[:80]})") from None
+    if not isinstance(answer, dict) or not ({"error"} <= answer.keys() or {"config", "run_dir"} <= answer.keys()):
+        raise NoResume(f"rank {rank}: {RESUME_KEY} in the store at {host}:{port} is not shaky's answer")
+    return answer
 
 
 class NotTakenBack(RuntimeError):

@@ -72,6 +72,9 @@ class SimComm:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def broadcast(self, value: Any) -> Any:
+        return value
+
     def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None, *, deferred: bool = False) -> Done:
         return Done(self.mean(x, weights))
 
