@@ -113,14 +113,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Starts this machine's ranks of `shaky train --backend dist ...` as torchrun does (RANK, "
         "WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but a rank that dies leaves the others running and, with "
         "--max-restarts, is started again: on --transport udp the survivors train on and take it back. "
-        "With --max-restarts on one machine, a run that stops (its rank 0 died, or on gloo any rank) is "
-        "started again from its last checkpoint.")
+        "With --max-restarts, a run that stops (its rank 0 died, or on gloo any rank) is started again from "
+        "its last checkpoint: on every machine, each launcher its own ranks.")
     launch.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
                         help="rank processes to start on this machine")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="how many times each rank other than 0 may be started again alone (--transport "
-                        "udp), and the whole run from its last checkpoint after it stopped (one machine; "
-                        "default 0)")
+                        "udp), and the run's ranks here from its last checkpoint after it stopped (the same on "
+                        "every machine; default 0)")
     launch.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="machines in the run, each running shaky launch (default 1)")
     launch.add_argument("--node-rank", type=int, default=0, metavar="I",
@@ -224,8 +224,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg, run_dir = _train_config(args)
-        if _launcher() == "shaky launch":
-            _check_launched(cfg)
         joining = _joining(cfg.dist_timeout_s) if cfg.backend == "dist" else None
         if joining is None:
             _check_out(args)
@@ -293,21 +291,6 @@ def _dist_command() -> str:
     from shaky.launch import LAUNCHED_BY  # noqa: PLC0415
 
     return os.environ.get(LAUNCHED_BY) or "torchrun ... -m shaky train"
-
-
-def _check_launched(cfg: Any) -> None:
-    """A rank of ``shaky launch`` where the launcher cannot learn the transport (several machines) and has
-    ``--max-restarts N`` (N > 0): the transport must take a process started again back; on gloo it would start a
-    rank again into a run that has stopped. (That a resumed run is a dist run, rank 0 checks for every launcher:
-    :func:`_hand_out_resume`.)"""
-    from shaky.launch import MAX_RESTARTS_ENV  # noqa: PLC0415
-
-    restarts = os.environ.get(MAX_RESTARTS_ENV, "0")
-    if restarts != "0" and cfg.dist.transport != "udp":
-        raise BadInput(f"shaky launch --max-restarts {restarts} needs dist.transport = \"udp\" (got "
-                       f"{cfg.dist.transport!r}) over several machines: on {cfg.dist.transport} a rank that dies "
-                       "stops every rank, and a process started again cannot rejoin (on one machine the launcher "
-                       "starts every rank again from the last checkpoint instead)")
 
 
 def _checkpoint_note(run_dir: Path, command: str) -> str:
@@ -417,6 +400,11 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         init_from_env(cfg.dist_timeout_s)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
+    except RuntimeError as exc:     # DistStoreError, DistNetworkError: a rank that never came, a store that went
+        raise Stop(f"error: rank {os.environ.get('RANK')}: the process group did not form (rank 0's store at "
+                   f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}; every rank must start within "
+                   f"dist_timeout_s = {cfg.dist_timeout_s:g} s of the others): {' '.join(str(exc).split())[:100]}",
+                   3) from None
     try:
         if dist.get_world_size() != cfg.num_workers:
             raise BadInput(f"num_workers is {cfg.num_workers} but {_launcher()} started {dist.get_world_size()} "
@@ -435,7 +423,8 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         dist.destroy_process_group()   # leaving with the group alive can abort the process at exit
         raise
     # Every rank must agree on what rank 0 decided or measured.
-    run_dir = Path(str(broadcast_object(str(run_dir))))
+    shown, resolved = broadcast_object((str(run_dir), str(run_dir.resolve())))
+    run_dir = Path(shown)
     if comm.rank == 0 and setup.compute_ms < 0:  # the machine's cached measurement, as the simulator uses
         from shaky.setup import measured_compute_ms  # noqa: PLC0415
 
@@ -445,9 +434,9 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     if writer:
         _claim_run_dir(run_dir, resume=bool(args.resume))
         # What a process started again for a dead rank needs (udp takes it back; gloo says it cannot).
-        comm.publish_run({"run_dir": str(run_dir.resolve()), "compute_ms": setup.compute_ms,
+        comm.publish_run({"run_dir": resolved, "compute_ms": setup.compute_ms,
                           "config": to_dict(cfg), "transport": cfg.dist.transport})
-        tell_launcher(str(run_dir.resolve()), cfg.dist.transport)
+    tell_launcher(resolved, cfg.dist.transport)   # every rank: a launcher without rank 0 learns it too
     try:
         if args.resume:
             _check_handed_out(cfg, comm.rank)
@@ -459,12 +448,18 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
         comm.barrier()
     except (LeftBehind, ForgedRecord) as exc:
+        if writer:
+            _end_run(comm)
         say(f"shaky: error: {exc}; last checkpoint: {_checkpoint_note(run_dir, _dist_command())}")
         return 3
     except (RuntimeError, dist.DistBackendError) as exc:
+        if writer:
+            _end_run(comm)
         found = comm.diagnose_failure(cfg.dist_timeout_s)
         who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
                "rank 0, which hosts the run's store, is gone")
+        # The run stopped (this rank is not one to take back alone): the launcher starts it again as a whole.
+        tell_launcher(resolved, cfg.dist.transport, stopped=True)
         say(f"shaky: error: {who} (rank {comm.rank} saw: {' '.join(str(exc).split())[:100]}); "
             f"last checkpoint: {_checkpoint_note(run_dir, _dist_command())}")
         return 3
@@ -477,6 +472,15 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
             print(json.dumps(summary, indent=2))
         print(f"run directory: {run_dir}")
     return 0
+
+
+def _end_run(comm: Any) -> None:
+    """Rank 0, the run stopped for a failure: said in its store while the store lasts, so that a process started
+    for the next attempt that reaches this one first does not take it for a run to join."""
+    try:
+        comm.end_run()
+    except RuntimeError:     # the store no longer answers
+        pass
 
 
 def _check_handed_out(cfg: Any, rank: int) -> None:

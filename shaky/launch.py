@@ -14,12 +14,14 @@ Rules, in :func:`restart_decision`: a rank whose process is killed by a signal o
 than 0, 2 (bad input: a new process would find the same) or 128 + SIGINT/SIGTERM (stopped on request) is
 started again, at most ``max_restarts`` times per rank, while rank 0 runs (rank 0 hosts the run's stores and
 writes the run directory: it cannot be taken back, and when it has ended there is no run to rejoin), and only
-on the udp transport (rank 0 tells the launcher the transport and the run directory through a file,
-:func:`tell_launcher`). A run that stops as a whole (rank 0 died, or on gloo any rank) is started again as a
-whole once every rank here has ended (:func:`group_restart_decision`): every rank with ``--resume`` of the
-run directory, from its last checkpoint, at most ``max_restarts`` times, as torchrun restarts a group; on one
-machine only (over several, a launcher learns neither the transport nor the directory, and the ranks refuse
-``--max-restarts`` on gloo). SIGINT and SIGTERM to the launcher are passed on to every rank (each stops
+on the udp transport (each rank tells the launcher the transport and the run directory through a file,
+:func:`tell_launcher`, and whether it ended because the run stopped: such a rank has no run to rejoin). A run
+that stops as a whole (rank 0 died, or on gloo any rank) is started again as a whole once every rank here has
+ended (:func:`group_restart_decision`): every rank with ``--resume`` of the run directory, from its last
+checkpoint, at most ``max_restarts`` times, as torchrun restarts a group. Over several machines each launcher
+does so for its own ranks: rank 0's when rank 0 failed or stopped with the run, another's when its ranks
+stopped with the run (status 3; on gloo, any failure); only rank 0 reads the run directory, the others get what
+they need from it. SIGINT and SIGTERM to the launcher are passed on to every rank (each stops
 after the same step with a checkpoint, as under torchrun); the ranks run in a session of their own, so a
 terminal's Ctrl-C reaches them once, through the launcher, and they get SIGTERM if the launcher itself dies.
 
@@ -41,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shaky.inject import ENV_VAR as FAULT_ENV
 from shaky.rundir import CONFIG_FILE, write_json
@@ -58,15 +61,15 @@ NO_RESTARTS_LEFT = "it has no restarts left"
 LAUNCHED_BY = "SHAKY_LAUNCHED_BY"
 """Set in each rank's environment: the launcher's command line up to ``train`` (a rank's lines that say how to
 resume quote it)."""
-MAX_RESTARTS_ENV = "SHAKY_MAX_RESTARTS"
-"""Set in each rank's environment where the launcher cannot learn the run's transport (more than one machine):
-its ``--max-restarts``, which a rank on a transport that cannot take a process started again back refuses."""
 RUN_FILE_ENV = "SHAKY_LAUNCH_RUN_FILE"
-"""Set in each rank's environment on one machine: where rank 0 writes the run's directory and transport as JSON
-(``tell_launcher``), so that the launcher knows what a restart can do."""
+"""Set in each rank's environment: where the rank writes the run's directory (rank 0's) and transport as JSON
+(``tell_launcher``), so that the launcher knows what a restart can do (a file per rank: each writes its own)."""
+EXIT_RUN_STOPPED = 3
+"""``shaky train``'s status when the run stopped for a failure (a rank died, or this one was left out)."""
 ONLY_UDP_TAKES_BACK = "a rank alone is taken back on the udp transport only"
-SEVERAL_MACHINES = "a run over several machines is resumed by hand (the line each rank printed)"
 NOT_WRITTEN = "rank 0 ended before it wrote the run directory: there is nothing to resume"
+NOT_TOLD = "no rank here learned the run's directory before it ended: there is nothing to resume"
+RUN_GOES_ON = "on udp the run goes on without them (none stopped with the run)"
 KEY_ENV = "SHAKY_KEY"
 """The udp transport's key in the environment (``shaky.comm.dist.KEY_ENV``; not imported: that loads torch)."""
 
@@ -87,7 +90,8 @@ class LaunchConfig:
     """The rendezvous store's TCP port; 0: a free port of this machine (one machine only)."""
     max_restarts: int = 0
     """How many times each rank (other than 0) may be started again alone after it dies (udp), and how many times
-    the whole run may be started again from its last checkpoint after it stopped (one machine)."""
+    the run's ranks here may be started again from its last checkpoint after the run stopped (use the same
+    number on every machine)."""
 
     def __post_init__(self) -> None:
         for name in ("nproc_per_node", "nnodes"):
@@ -147,15 +151,16 @@ def _ended_on_purpose(status: int, stopping: bool) -> str | None:
 
 
 def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts: int, rank0_running: bool,
-                     stopping: bool, transport: str | None) -> str | None:
+                     stopping: bool, transport: str | None, run_stopped: bool = False) -> str | None:
     """Why the rank whose process ended with ``status`` (Popen's: negative for a signal) is not started again
-    alone, or None when it is. ``transport``: the run's, None while not known yet."""
+    alone, or None when it is. ``transport``: the run's, None while not known yet; ``run_stopped``: the rank
+    said it ended because the run stopped (its rank 0 went)."""
     why = _ended_on_purpose(status, stopping)
     if why is not None:
         return why
     if rank == 0:
         return RANK0_STAYS_DOWN
-    if not rank0_running:
+    if not rank0_running or run_stopped:
         return "rank 0 has ended: there is no run to rejoin"
     if transport != "udp":
         return ONLY_UDP_TAKES_BACK
@@ -164,20 +169,24 @@ def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts
     return None
 
 
-def group_restart_decision(status0: int | None, *, restarts_used: int, max_restarts: int, stopping: bool,
-                           run_dir: str | None, one_machine: bool = True) -> str | None:
-    """Why a run whose ranks on this machine have all ended, rank 0's with ``status0`` (None: rank 0 runs on
-    another machine), is not started again from its last checkpoint (``--resume``), or None when it is.
-    ``run_dir``: the run's directory once rank 0 has written it (its config.toml), else None."""
-    if status0 is None or not one_machine:
-        return SEVERAL_MACHINES
-    why = _ended_on_purpose(status0, stopping)
-    if why is not None:
-        return why
+def group_restart_decision(statuses: dict[int, int], *, restarts_used: int, max_restarts: int, stopping: bool,
+                           run_dir: str | None, transport: str | None) -> str | None:
+    """Why the ranks of this machine, which have all ended (``statuses``: each one's last status, by rank), are
+    not started again from the run's last checkpoint (``--resume``), or None when they are. Where rank 0 runs
+    here, its status decides (it stops the run); elsewhere the run stopped when these ranks did for a failure,
+    on udp only when one of them stopped with the run (status 3: a rank lost alone leaves the others training).
+    ``run_dir``: the run's directory once known (on rank 0's machine, once rank 0 has written its config.toml),
+    else None; ``transport``: the run's, None where no rank here told it."""
+    for status in [statuses[0]] if 0 in statuses else [statuses[r] for r in sorted(statuses)]:
+        why = _ended_on_purpose(status, stopping)
+        if why is not None:
+            return why
+    if 0 not in statuses and transport == "udp" and EXIT_RUN_STOPPED not in statuses.values():
+        return RUN_GOES_ON
     if restarts_used >= max_restarts:
         return f"{NO_RESTARTS_LEFT} ({restarts_used} of --max-restarts {max_restarts})"
     if run_dir is None:
-        return NOT_WRITTEN
+        return NOT_WRITTEN if 0 in statuses else NOT_TOLD
     return None
 
 
@@ -187,11 +196,13 @@ def resume_args(args: Sequence[str], run_dir: str) -> list[str]:
     return ["--resume", run_dir, *(["--quiet"] if "--quiet" in args else [])]
 
 
-def tell_launcher(run_dir: str, transport: str) -> None:
-    """Rank 0 of a launcher on one machine: the run's directory and transport, to the file the launcher reads."""
+def tell_launcher(run_dir: str, transport: str, *, stopped: bool = False) -> None:
+    """A rank under ``shaky launch``: the run's directory (rank 0's) and transport, to the file the launcher
+    named for it; ``stopped``: the rank is ending because the run stopped (rank 0 went, or on gloo any rank), not
+    because it was left out: it is not one to start again alone."""
     path = os.environ.get(RUN_FILE_ENV)
     if path:
-        write_json(Path(path), {"run_dir": run_dir, "transport": transport})
+        write_json(Path(path), {"run_dir": run_dir, "transport": transport, "stopped": stopped})
 
 
 def describe(status: int) -> str:
@@ -246,7 +257,7 @@ class Launcher:
                                  *([f"--max-restarts {cfg.max_restarts}"] if cfg.max_restarts else []), "train ..."])
         self.port = cfg.master_port or free_port(cfg.master_addr)
         self.env = {k: v for k, v in (os.environ if env is None else env).items()
-                    if k not in (RUN_FILE_ENV, MAX_RESTARTS_ENV)}   # this launcher's to set
+                    if k != RUN_FILE_ENV}   # this launcher's to set
         if cfg.nnodes == 1 and KEY_ENV not in self.env:
             # Every rank is a child of this process: the udp key can reach them in their environment instead of
             # through the rendezvous store, which is not encrypted (a key file given to train still wins).
@@ -260,24 +271,22 @@ class Launcher:
         """How many times each rank was started again alone."""
         self.group_restarts = 0
         """How many times every rank was started again from the run's last checkpoint."""
-        self.first_failure: tuple[int, int] | None = None
-        """The first rank of this attempt whose process died, and its status (what the group restart names)."""
         self.statuses: dict[int, int] = {}
         """The exit status of each rank's last process, once it has ended for good."""
         self.stopping: int | None = None
         """The signal passed on to the ranks, once one came."""
-        self.run_file: str | None = None
-        """Where rank 0 writes the run's directory and transport (one machine only)."""
+        self.run_files: str | None = None
+        """The folder of the files where the ranks write the run's directory and transport (``run-RANK.json``)."""
+        self.told: dict[str, Any] = {}
+        """What the ranks here last told of the run (a rank's file goes when its next process starts)."""
 
     def _env(self, rank: int) -> dict[str, str]:
         env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.cfg.world_size),
                "LOCAL_RANK": str(rank - self.cfg.ranks.start), "LOCAL_WORLD_SIZE": str(self.cfg.nproc_per_node),
                "GROUP_RANK": str(self.cfg.node_rank), "MASTER_ADDR": self.cfg.master_addr,
                "MASTER_PORT": str(self.port), LAUNCHED_BY: self.command}
-        if self.run_file is not None:
-            env[RUN_FILE_ENV] = self.run_file
-        else:
-            env[MAX_RESTARTS_ENV] = str(self.cfg.max_restarts)
+        if self.run_files is not None:
+            env[RUN_FILE_ENV] = self._run_file(rank)
         if self.fault and not self.restarts[rank] and not self.group_restarts:
             env[FAULT_ENV] = self.fault
         if self.cfg.nproc_per_node > 1:
@@ -288,6 +297,9 @@ class Launcher:
     def _start(self, rank: int) -> None:
         # A stop signal that comes while the rank starts is held until it is in self.procs (then _pass_on sends
         # it); one that came before is sent here: either way the rank gets it once.
+        self._run_info()      # what the last process told is kept; its file goes, a new process writes its own
+        if self.run_files is not None and os.path.exists(self._run_file(rank)):
+            os.unlink(self._run_file(rank))
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             proc = subprocess.Popen([sys.executable, "-m", "shaky", "train", *self.args], env=self._env(rank),
@@ -304,21 +316,30 @@ class Launcher:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    def _run_info(self) -> dict[str, str]:
-        """What rank 0 wrote of the run (its directory and transport); empty before it has."""
-        try:
-            with open(self.run_file or "", encoding="utf-8") as f:
-                return dict(json.load(f))
-        except (OSError, ValueError):
-            return {}
+    def _run_info(self, ranks: Sequence[int] | None = None) -> dict[str, Any]:
+        """What the first of ``ranks`` that wrote of the run wrote (its directory and transport, and whether it
+        ended because the run stopped); default: the ranks here, or what they wrote in an earlier attempt; empty
+        before one has."""
+        for rank in self.cfg.ranks if ranks is None else ranks:
+            try:
+                with open(self._run_file(rank), encoding="utf-8") as f:
+                    told = dict(json.load(f))
+            except (OSError, ValueError):
+                continue
+            if ranks is None:
+                self.told = told
+            return told
+        return self.told if ranks is None else {}
+
+    def _run_file(self, rank: int) -> str:
+        return os.path.join(self.run_files or "", f"run-{rank}.json")
 
     def run(self) -> int:
         """Starts the ranks and watches them until each has ended for good, starting them all again from the
         run's last checkpoint where :func:`group_restart_decision` says so; returns :func:`exit_status`."""
         old = {s: signal.signal(s, self._pass_on) for s in STOP_SIGNALS}
         with tempfile.TemporaryDirectory(prefix="shaky-launch-") as scratch:
-            if self.cfg.nnodes == 1:
-                self.run_file = os.path.join(scratch, "run.json")
+            self.run_files = scratch
             try:
                 for rank in self.cfg.ranks:
                     self._start(rank)
@@ -339,30 +360,39 @@ class Launcher:
     def _restart_group(self) -> bool:
         """Every rank here has ended: starts them all again from the run's last checkpoint if the run failed
         and restarts are left (see :func:`group_restart_decision`); whether it did."""
-        run_dir = self._run_info().get("run_dir")
-        if run_dir is not None and not os.path.isfile(os.path.join(run_dir, CONFIG_FILE)):
+        info = self._run_info()
+        run_dir, transport = info.get("run_dir"), info.get("transport")
+        if run_dir is not None and 0 in self.cfg.ranks and not os.path.isfile(os.path.join(run_dir, CONFIG_FILE)):
             run_dir = None     # named, but rank 0 ended before it wrote the directory
-        why = group_restart_decision(self.statuses.get(0), restarts_used=self.group_restarts,
+        why = group_restart_decision(self.statuses, restarts_used=self.group_restarts,
                                      max_restarts=self.cfg.max_restarts, stopping=self.stopping is not None,
-                                     run_dir=run_dir, one_machine=self.run_file is not None)
-        # On udp only rank 0 stops the run (a rank lost before it was left out); elsewhere the first to die did.
-        culprit = (0, self.statuses[0]) if self._run_info().get("transport") == "udp" and 0 in self.statuses \
-            else self.first_failure
-        failed = f"rank {culprit[0]} {describe(culprit[1])}" if culprit else ""
+                                     run_dir=run_dir, transport=transport)
+        failed = self._culprit(transport)
         if why is not None:
-            if failed and (why.startswith(NO_RESTARTS_LEFT) or why == NOT_WRITTEN):
-                self.say(f"{failed} and the run stopped; not started again: {why}")
+            if failed and (why.startswith(NO_RESTARTS_LEFT) or why in (NOT_WRITTEN, NOT_TOLD)):
+                self.say(f"{failed}; not started again: {why}")
             return False
         self.group_restarts += 1
-        self.say(f"{failed} and the run stopped; starting every rank "
+        self.say(f"{failed}; starting {'every rank' if self.cfg.nnodes == 1 else 'the ranks here'} "
                  f"again from its last checkpoint: train --resume {run_dir} ({self.group_restarts} of "
                  f"{self.cfg.max_restarts})")
         self.args = resume_args(self.args, str(run_dir))
         self.statuses.clear()
-        self.first_failure = None
         for rank in self.cfg.ranks:
             self._start(rank)
         return True
+
+    def _culprit(self, transport: str | None) -> str:
+        """What stopped the run, as the ranks here saw it: on udp rank 0's end where it ran here (a rank lost
+        before was left out), else the lowest rank here that failed on its own, else the lowest that stopped with
+        the run (status 3: the cause was elsewhere)."""
+        if transport == "udp" and 0 in self.statuses:
+            return f"rank 0 {describe(self.statuses[0])} and the run stopped"
+        failed = [r for r in sorted(self.statuses) if _ended_on_purpose(self.statuses[r], False) is None]
+        own = [r for r in failed if self.statuses[r] != EXIT_RUN_STOPPED]
+        if own:
+            return f"rank {own[0]} {describe(self.statuses[own[0]])} and the run stopped"
+        return f"the run stopped (rank {failed[0]} {describe(self.statuses[failed[0]])})" if failed else ""
 
     def _watch(self) -> None:
         for rank, proc in list(self.procs.items()):
@@ -370,12 +400,11 @@ class Launcher:
             if status is None or rank in self.statuses:
                 continue
             rank0 = self.procs.get(0)   # (on another machine: a process started again finds out itself)
-            # One machine: rank 0 says the transport; several: assumed udp (each rank refuses restarts on gloo).
-            transport = self._run_info().get("transport") if self.run_file else "udp"
             why = restart_decision(rank, status, restarts_used=self.restarts[rank],
                                    max_restarts=self.cfg.max_restarts,
                                    rank0_running=rank0 is None or rank0.poll() is None,
-                                   stopping=self.stopping is not None, transport=transport)
+                                   stopping=self.stopping is not None, transport=self._run_info().get("transport"),
+                                   run_stopped=bool(self._run_info([rank]).get("stopped")))
             if why is None:
                 self.restarts[rank] += 1
                 self.say(f"rank {rank} {describe(status)}; starting it again ({self.restarts[rank]} of "
@@ -383,8 +412,6 @@ class Launcher:
                 self._start(rank)
                 continue
             self.statuses[rank] = status
-            if _ended_on_purpose(status, self.stopping is not None) is None and self.first_failure is None:
-                self.first_failure = (rank, status)
             # Said where a restart alone could have been expected; a rank that stopped with a line of its own (bad
             # input, a run stopped on request or without its rank 0) has said why, and a run that stops for it
             # is started again as a whole or says why not (_restart_group).

@@ -15,8 +15,8 @@ import pytest
 
 from shaky.cli import main
 from shaky import launch
-from shaky.launch import (LAUNCHED_BY, MAX_RESTARTS_ENV, NO_RESTARTS_LEFT, NOT_WRITTEN, ONLY_UDP_TAKES_BACK, RANK0_STAYS_DOWN,
-                          SEVERAL_MACHINES, Launcher, LaunchConfig, exit_status, group_restart_decision,
+from shaky.launch import (LAUNCHED_BY, NO_RESTARTS_LEFT, NOT_TOLD, NOT_WRITTEN, ONLY_UDP_TAKES_BACK, RANK0_STAYS_DOWN,
+                          RUN_GOES_ON, Launcher, LaunchConfig, exit_status, group_restart_decision,
                           free_port, restart_decision, resume_args, train_command)
 
 ARGS = ["--transport", "udp", "--workers", "3", "--eval-every", "100", "--quiet", "--set", "network.compute_ms=1.0"]
@@ -170,12 +170,14 @@ def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step_with_a_ch
     (2, 130, 0, True, False, "stopping on request"),
     (2, -signal.SIGTERM, 0, True, False, "stopping on request"),
     (2, -signal.SIGKILL, 0, True, True, "stopping on request"),
+    (2, 3, 0, True, False, "stopped with the run"),  # rank 0 on another machine went: the rank said so
 ])
 def test_restart_decision(rank: int, status: int, used: int, rank0_running: bool, stopping: bool,
                           expected: str | None) -> None:
     transport = {ONLY_UDP_TAKES_BACK: "gloo", "unknown": None}.get(str(expected), "udp")
     why = restart_decision(rank, status, restarts_used=used, max_restarts=1, rank0_running=rank0_running,
-                           stopping=stopping, transport=transport)
+                           stopping=stopping, transport=transport, run_stopped=expected == "stopped with the run")
+    expected = "rank 0 has ended" if expected == "stopped with the run" else expected
     assert why is None if expected is None else (ONLY_UDP_TAKES_BACK if expected == "unknown" else expected) in why
 
 
@@ -258,12 +260,12 @@ def _why_no_mount_namespace() -> str:
     return "" if probe.returncode == 0 else "unshare --mount is refused here"
 
 
-def _two_machines(tmp_path: Path, train_args: list[str], fault: str = "") -> list[tuple[int, str]]:
+def _two_machines(tmp_path: Path, train_args: list[str], fault: str = "", restarts: int = 0) -> list[tuple[int, str]]:
     """Two launchers (--nnodes 2, 2 ranks each) on this machine: node 0 works in tmp_path/a, node 1 in tmp_path/b
     and sees tmp_path/a empty. Returns each node's (status, stderr)."""
     env = {k: v for k, v in os.environ.items() if k not in ("SHAKY_KEY", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node",
-              "2", "train", *train_args]
+              "2", "--max-restarts", str(restarts), "train", *train_args]
     (tmp_path / "a").mkdir(exist_ok=True)
     (tmp_path / "b").mkdir(exist_ok=True)
     launch = [sys.executable, "-m", "shaky", "launch"]
@@ -282,32 +284,76 @@ def _two_machines(tmp_path: Path, train_args: list[str], fault: str = "") -> lis
     return [(code, err) for err, code in ends]
 
 
+GLOO_RUN = ["--workers", "4", "--steps", "60", "--checkpoint-every", "20", "--set", "network.compute_ms=1.0", "--quiet"]
+"""A gloo run of 4 ranks with checkpoints at steps 20 and 40 (the compute time fixed: a run measures its own)."""
+
+
+def _numbers(out: Path) -> tuple[list[dict], dict]:
+    """Every number of a run's metrics.jsonl and summary.json but the seconds of this machine's clock."""
+    measured = ("wall_time_s", "wait_s")
+    rows = [{k: v for k, v in json.loads(line).items() if k not in measured}
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return rows, {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k not in measured}
+
+
+@pytest.fixture(scope="module")
+def never_stopped(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict]:
+    """The numbers of :data:`GLOO_RUN` never stopped, on one launcher."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    whole = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nproc-per-node", "4", "train", *GLOO_RUN,
+                            "--out", str(out)], capture_output=True, text=True, timeout=150,
+                           env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")})
+    assert whole.returncode == 0, whole.stderr
+    return _numbers(out)
+
+
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
-def test_a_run_over_two_machines_resumes_where_only_rank_0_s_machine_has_its_directory(tmp_path: Path) -> None:
+def test_a_run_over_two_machines_resumes_where_only_rank_0_s_machine_has_its_directory(
+        tmp_path: Path, never_stopped: tuple[list[dict], dict]) -> None:
     """gloo over two launchers, the second of which never sees the run directory: rank 3 dies at step 30 and
     stops the run; `--resume run` on both machines (the second's `run` does not exist) finishes it, rank 0 handing
     the config and the checkpoint to the others, and every number of metrics.jsonl and summary.json equals that
     of a run never stopped but the measured seconds."""
-    train_args = ["--workers", "4", "--steps", "60", "--checkpoint-every", "20", "--set", "network.compute_ms=1.0",
-                  "--quiet"]
-    stopped = _two_machines(tmp_path, [*train_args, "--out", "run"], "kill:3:30")
+    stopped = _two_machines(tmp_path, [*GLOO_RUN, "--out", "run"], "kill:3:30")
     assert [code for code, _ in stopped] == [3, 3], stopped
     assert "rank 3 stopped answering after step 29" in stopped[0][1], stopped
     resumed = _two_machines(tmp_path, ["--resume", "run", "--quiet"])
     assert [code for code, _ in resumed] == [0, 0], resumed
-    whole = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nproc-per-node", "4", "train", *train_args,
-                            "--out", str(tmp_path / "whole")], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=150)
-    assert whole.returncode == 0, whole.stderr
-
-    def numbers(out: Path) -> tuple[list[dict], dict]:
-        measured = ("wall_time_s", "wait_s")
-        rows = [{k: v for k, v in json.loads(line).items() if k not in measured}
-                for line in (out / "metrics.jsonl").read_text().splitlines()]
-        return rows, {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k not in measured}
-
-    assert numbers(tmp_path / "a" / "run") == numbers(tmp_path / "whole")
+    assert _numbers(tmp_path / "a" / "run") == never_stopped
     assert not (tmp_path / "b" / "run").exists()
+
+
+@pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
+def test_over_two_machines_each_launcher_starts_its_ranks_again_and_the_run_ends_as_one_never_stopped(
+        tmp_path: Path, never_stopped: tuple[list[dict], dict]) -> None:
+    """gloo, --max-restarts 1 on both launchers: rank 3, on the machine without the run directory, dies at step
+    30 and stops the run; each launcher starts its ranks again with --resume of rank 0's directory (which the
+    second one does not have: its ranks take what they need from rank 0), and the run ends as one never stopped,
+    both launchers with status 0."""
+    (code0, err0), (code1, err1) = _two_machines(tmp_path, [*GLOO_RUN, "--out", "run"], "kill:3:30", restarts=1)
+    assert (code0, code1) == (0, 0), (err0, err1)
+    again = f"starting the ranks here again from its last checkpoint: train --resume {tmp_path / 'a' / 'run'} (1 of 1)"
+    assert f"shaky launch: rank 3 killed by SIGKILL and the run stopped; {again}" in err1, err1
+    assert f"shaky launch: the run stopped (rank 0 exited with status 3); {again}" in err0, err0
+    assert _numbers(tmp_path / "a" / "run") == never_stopped
+
+
+@pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
+def test_over_two_machines_a_dead_rank_0_stops_a_udp_run_and_both_launchers_resume_it(tmp_path: Path) -> None:
+    """udp, --max-restarts 1: rank 0 gets SIGKILL at step 40; the second machine's ranks stop with the run (not
+    started again alone: there is no run to rejoin), and each launcher starts its ranks again from the step-40
+    checkpoint; the run ends with 4 live workers and both launchers with status 0."""
+    (tmp_path / "shaky.key").write_text(os.urandom(32).hex())
+    args = [*ARGS[:2], "--workers", "4", *ARGS[4:], "--steps", "200", "--checkpoint-every", "20", "--key-file",
+            str(tmp_path / "shaky.key"), "--out", "run"]
+    (code0, err0), (code1, err1) = _two_machines(tmp_path, args, "kill:0:40", restarts=1)
+    assert (code0, code1) == (0, 0), (err0, err1)
+    assert ("shaky launch: rank 0 killed by SIGKILL and the run stopped; starting the ranks here again from its last "
+            f"checkpoint: train --resume {tmp_path / 'a' / 'run'} (1 of 1)") in err0, err0
+    assert "shaky launch: the run stopped (rank 2 exited with status 3); starting the ranks here again" in err1, err1
+    assert "starting it again" not in err1, err1
+    summary = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
+    assert summary["steps"] == 200 and summary["live_workers"] == 4, summary
 
 
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
@@ -341,37 +387,30 @@ def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: 
     cli._check_handed_out(ours, 1)
 
 
-def test_restarts_on_gloo_over_several_machines_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch,
-                                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    """Over several machines a launcher does not learn the transport: it tells its ranks its --max-restarts, and
-    on gloo, where a rank started again alone finds no run, they refuse before they train."""
-    monkeypatch.setenv(LAUNCHED_BY, "shaky launch --nproc-per-node 2 --nnodes 2 --node-rank N --max-restarts 1 train ...")
-    monkeypatch.setenv(MAX_RESTARTS_ENV, "1")
-    assert main(["train", "--backend", "dist", "--workers", "4", "--steps", "5", "--quiet"]) == 2
-    assert capsys.readouterr().err == (
-        "shaky: error: shaky launch --max-restarts 1 needs dist.transport = \"udp\" (got 'gloo') over several "
-        "machines: on gloo a rank that dies stops every rank, and a process started again cannot rejoin (on one "
-        "machine the launcher starts every rank again from the last checkpoint instead)\n")
-
-
-@pytest.mark.parametrize(("status0", "used", "stopping", "run_dir", "expected"), [
-    (-signal.SIGKILL, 0, False, "runs/x", None),
-    (3, 0, False, "runs/x", None),                      # stopped because another rank died (gloo) or rank 0 went
-    (3, 1, False, "runs/x", NO_RESTARTS_LEFT),
-    (3, 0, False, None, NOT_WRITTEN),
-    (0, 0, False, "runs/x", "it finished"),
-    (2, 0, False, "runs/x", "bad input"),
-    (130, 0, False, "runs/x", "stopping on request"),
-    (-signal.SIGKILL, 0, True, "runs/x", "stopping on request"),
-    (4, 0, False, "runs/x", "diverged"),
-    (None, 0, False, "runs/x", SEVERAL_MACHINES),      # rank 0 on another machine
-    (3, 0, False, "runs/x", "several"),                # this machine holds rank 0, others hold the rest
+@pytest.mark.parametrize(("statuses", "used", "stopping", "run_dir", "transport", "expected"), [
+    ({0: -signal.SIGKILL, 1: 3}, 0, False, "runs/x", "udp", None),
+    ({0: 3, 1: -signal.SIGKILL}, 0, False, "runs/x", "gloo", None),   # stopped because rank 1 died
+    ({0: 3, 1: 3}, 1, False, "runs/x", "gloo", NO_RESTARTS_LEFT),
+    ({0: 3, 1: 3}, 0, False, None, "gloo", NOT_WRITTEN),
+    ({0: 0, 1: 0}, 0, False, "runs/x", "udp", "it finished"),
+    ({0: 2, 1: 2}, 0, False, "runs/x", "udp", "bad input"),
+    ({0: 130, 1: 130}, 0, False, "runs/x", "udp", "stopping on request"),
+    ({0: -signal.SIGKILL, 1: 3}, 0, True, "runs/x", "udp", "stopping on request"),
+    ({0: 4, 1: 4}, 0, False, "runs/x", "gloo", "diverged"),
+    # rank 0 on another machine: these ranks stopped with the run, or were lost alone
+    ({2: 3, 3: 3}, 0, False, "runs/x", "udp", None),                    # rank 0 went
+    ({2: 3, 3: -signal.SIGKILL}, 0, False, "runs/x", "gloo", None),
+    ({2: -signal.SIGKILL}, 0, False, "runs/x", "gloo", None),             # on gloo its death stopped the run
+    ({2: -signal.SIGKILL}, 0, False, "runs/x", "udp", RUN_GOES_ON),       # on udp the others train on
+    ({2: 0, 3: -signal.SIGKILL}, 0, False, "runs/x", "udp", "it finished"),
+    ({2: 3, 3: 3}, 1, False, "runs/x", "udp", NO_RESTARTS_LEFT),
+    ({2: 3, 3: 3}, 0, False, None, None, NOT_TOLD),
 ])
-def test_group_restart_decision(status0: int | None, used: int, stopping: bool, run_dir: str | None,
-                                expected: str | None) -> None:
-    why = group_restart_decision(status0, restarts_used=used, max_restarts=1, stopping=stopping, run_dir=run_dir,
-                                 one_machine=expected != "several")
-    assert why is None if expected is None else (SEVERAL_MACHINES if expected == "several" else expected) in str(why)
+def test_group_restart_decision(statuses: dict[int, int], used: int, stopping: bool, run_dir: str | None,
+                                transport: str | None, expected: str | None) -> None:
+    why = group_restart_decision(statuses, restarts_used=used, max_restarts=1, stopping=stopping, run_dir=run_dir,
+                                 transport=transport)
+    assert why is None if expected is None else expected in str(why), why
 
 
 class FakeRank:
@@ -394,8 +433,8 @@ def _fake_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transport: s
     launcher = Launcher(LaunchConfig(nproc_per_node=3, max_restarts=1), ["--quiet"], env={}, say=lines.append)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.toml").write_text("")
-    launcher.run_file = str(tmp_path / "run.json")
-    (tmp_path / "run.json").write_text(json.dumps({"run_dir": str(tmp_path / "run"), "transport": transport}))
+    launcher.run_files = str(tmp_path)
+    (tmp_path / "run-1.json").write_text(json.dumps({"run_dir": str(tmp_path / "run"), "transport": transport}))
     for rank in range(3):
         launcher._start(rank)
     return launcher, lines
@@ -481,3 +520,18 @@ def test_lines_of_ranks_that_share_a_pipe_never_run_into_each_other() -> None:
     assert [proc.wait(timeout=60) for proc in procs] == [0, 0]
     expected = {f"shaky: rank {rank} line {i} " + "x" * 300 for rank in (1, 2) for i in range(2000)}
     assert len(lines) == 4000 and set(lines) == expected
+
+
+def test_a_rank_whose_process_group_never_forms_stops_with_one_line(tmp_path: Path) -> None:
+    """The second machine never starts: rank 0 waits dist_timeout_s for it, then says so in one line (no
+    traceback), status 3, and has written nothing."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nnodes", "2", "--node-rank", "0",
+                           "--master-port", str(free_port()), "--nproc-per-node", "1", "train", "--workers", "2",
+                           "--steps", "5", "--set", "dist_timeout_s=2", "--quiet", "--out", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("shaky: error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "shaky: error: rank 0: the process group did not form (rank 0's store at 127.0.0.1:"), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

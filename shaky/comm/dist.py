@@ -655,20 +655,44 @@ class NoResume(RuntimeError):
 
 def resumed_run(timeout_s: float) -> dict[str, Any]:
     """Rank > 0 of a resumed run, before it joins the process group: rank 0's answer (:func:`hand_out_resume`),
-    waiting at most ``timeout_s`` for the store to come up and for the answer."""
+    or, where a udp run is in progress (this process was started again for a rank of it), its record's config
+    and directory (:func:`run_in_progress` then takes it back). A store whose run has ended, or a gloo run's
+    (which takes no rank back), belongs to the attempt before: it is waited out, as a store that goes away is,
+    until the next one answers. Waits at most ``timeout_s`` in all."""
     rank, _, host, port = _job_address()
-    try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        store.wait([RESUME_KEY])
-        answer = json.loads(store.get(RESUME_KEY).decode())
-        store.add(RESUME_READ_KEY, 1)
-    except (RuntimeError, ValueError) as exc:   # DistStoreError (a timeout) and DistNetworkError are RuntimeErrors
-        raise NoResume(f"rank {rank} got no answer from rank 0 at {host}:{port} within {timeout_s:g} s: a resumed "
-                       "run's config and checkpoint come from rank 0, which reads the run directory (is it "
-                       f"running? {' '.join(str(exc).split())[:80]})") from None
-    if not isinstance(answer, dict) or not ({"error"} <= answer.keys() or {"config", "run_dir"} <= answer.keys()):
-        raise NoResume(f"rank {rank}: {RESUME_KEY} in the store at {host}:{port} is not shaky's answer")
-    return answer
+    deadline = time.monotonic() + timeout_s
+    seen = "no store"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NoResume(f"rank {rank} got no answer from rank 0 at {host}:{port} within {timeout_s:g} s: a "
+                           "resumed run's config and checkpoint come from rank 0, which reads the run directory "
+                           f"(is it running? {seen})")
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left))
+            while time.monotonic() < deadline:
+                if store.check([ENDED_KEY]):
+                    seen = "the store there is the ended run's"
+                elif store.check([RESUME_KEY]):
+                    answer = json.loads(store.get(RESUME_KEY).decode())
+                    store.add(RESUME_READ_KEY, 1)
+                    break
+                elif store.check([RUN_KEY]):
+                    record = json.loads(store.get(RUN_KEY).decode())
+                    if record.get("transport") == "udp":
+                        answer = {"config": record["config"], "run_dir": record["run_dir"]}
+                        break
+                    seen = "the store there is a gloo run's, which takes no rank back"
+                time.sleep(0.05)
+            else:
+                continue
+        except (RuntimeError, ValueError) as exc:   # DistStoreError (a timeout), DistNetworkError: RuntimeErrors
+            seen = " ".join(str(exc).split())[:80]
+            time.sleep(0.2)
+            continue
+        if not isinstance(answer, dict) or not ({"error"} <= answer.keys() or {"config", "run_dir"} <= answer.keys()):
+            raise NoResume(f"rank {rank}: {RESUME_KEY} in the store at {host}:{port} is not shaky's answer")
+        return answer
 
 
 class NotTakenBack(RuntimeError):
