@@ -552,7 +552,11 @@ def _hand_out_resume(run_dir: Path) -> Any:
             raise Stop("", EXIT_BAD_INPUT) from None
         raise
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        hand_out_resume({"config": to_dict(cfg), "run_dir": str(run_dir.resolve())}, cfg.dist_timeout_s)
+        try:
+            hand_out_resume({"config": to_dict(cfg), "run_dir": str(run_dir.resolve())}, cfg.dist_timeout_s)
+        except RuntimeError as exc:     # DistNetworkError: the port is taken, the address is not this machine's
+            raise Stop(f"error: rank 0 cannot open the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
+                       f"{os.environ.get('MASTER_PORT')}: {' '.join(str(exc).split())[:100]}", 3) from None
     return cfg
 
 
