@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -225,7 +226,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg, run_dir = _train_config(args)
         joining = _joining(cfg.dist_timeout_s) if cfg.backend == "dist" else None
-        if joining is None:
+        if joining is None and (_job_rank() in (None, 0) or _machine() == "0"):   # (rank 0 writes --out)
             _check_out(args)
         # dist: rank 0 measures alone (_train_dist); device cuda puts each rank on GPU LOCAL_RANK
         setup = prepare(cfg, measure=cfg.backend != "dist",
@@ -276,9 +277,9 @@ def _stopping(run_dir: Path, command: str, *, writer: bool = True) -> Iterator[N
         raise Stop(f"{exc}; `{command} --resume {run_dir}` continues from there and ends as the uninterrupted "
                    "run would" if writer else "", exc.exit_code) from None
     except KeyboardInterrupt:
-        raise Stop(f"interrupted at once; last checkpoint: {_checkpoint_note(run_dir, command)}", 130) from None
+        raise Stop(f"interrupted at once; last checkpoint: {_checkpoint_note(run_dir, command, run_dir if writer else None)}", 130) from None
     except WriteError as exc:
-        raise Stop(f"error: {exc}; last checkpoint: {_checkpoint_note(run_dir, command)}", 1) from None
+        raise Stop(f"error: {exc}; last checkpoint: {_checkpoint_note(run_dir, command, run_dir if writer else None)}", 1) from None
 
 
 def _launcher() -> str:
@@ -293,16 +294,18 @@ def _dist_command() -> str:
     return os.environ.get(LAUNCHED_BY) or "torchrun ... -m shaky train"
 
 
-def _checkpoint_note(run_dir: Path, command: str) -> str:
+def _checkpoint_note(run_dir: Path, command: str, local: Path | None = None) -> str:
+    """Where the last checkpoint is, and how to resume. ``local``: the run directory as this process may read it
+    (default ``run_dir``); None on a machine other than rank 0's, which may have no copy of it, or a stale one."""
     from shaky.rundir import CHECKPOINT_FILE, load_checkpoint  # noqa: PLC0415
 
-    path = run_dir / CHECKPOINT_FILE
-    if not run_dir.is_dir():    # a rank on another machine than rank 0, which writes the run directory
-        return f"in {run_dir} on rank 0's machine, if any; resume with `{command} --resume {run_dir}`"
+    if local is None:
+        return f"rank 0's, on its machine; resume with `{command} --resume {run_dir}`"
+    path = local / CHECKPOINT_FILE
     if not path.exists():
         return f"none yet (`{command} --resume {run_dir}` starts the run again from step 0)"
     try:
-        step = load_checkpoint(run_dir)["counters"]["step"]
+        step = load_checkpoint(local)["counters"]["step"]
     except ValueError as exc:
         return f"none usable ({exc})"
     return f"{path} at step {step}; resume with `{command} --resume {run_dir}`"
@@ -323,6 +326,7 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
     trains on with them; it never writes the run directory (rank 0 does)."""
     from shaky.comm.dist import ForgedRecord, LeftBehind, NotTakenBack, udp_comm  # noqa: PLC0415
     from shaky.config import to_dict  # noqa: PLC0415
+    from shaky.launch import tell_launcher  # noqa: PLC0415
     from shaky.train import train  # noqa: PLC0415
 
     cfg, record, rank = setup.cfg, joining.record, joining.rank
@@ -344,6 +348,7 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
                         latency_ms=setup.network.latency_ms.tolist(), joining=joining)
     except ValueError as exc:
         raise AloneBadInput(str(exc)) from None
+    tell_launcher(str(run_dir), "udp")
     try:
         if not args.quiet:
             say(f"shaky: rank {rank}: waiting to be taken back into the run in progress at {where} "
@@ -357,9 +362,16 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
             train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
                   faults=_faults(), welcome=welcome)
         comm.barrier()
-    except (LeftBehind, NotTakenBack, ForgedRecord) as exc:
+    except (LeftBehind, ForgedRecord) as exc:
         say(f"shaky: error: {exc}")
         return 3
+    except NotTakenBack as exc:    # the run ended or stopped: there is no run to rejoin
+        tell_launcher(str(run_dir), "udp", stopped=True)
+        say(f"shaky: error: {exc}")
+        return 3
+    except RuntimeError as exc:    # taken back, then the run's store went with its rank 0
+        here = run_dir if record.get("host") == socket.gethostname() else None
+        return _run_stopped(comm, cfg, exc, run_dir, str(run_dir), here)
     finally:
         comm.close()
     return 0
@@ -401,6 +413,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     except RuntimeError as exc:     # DistStoreError, DistNetworkError: a rank that never came, a store that went
+        tell_launcher(None, None, stopped=True)     # not a rank to start again alone: there is no run
         raise Stop(f"error: rank {os.environ.get('RANK')}: the process group did not form (rank 0's store at "
                    f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}; every rank must start within "
                    f"dist_timeout_s = {cfg.dist_timeout_s:g} s of the others): {' '.join(str(exc).split())[:100]}",
@@ -423,19 +436,21 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         dist.destroy_process_group()   # leaving with the group alive can abort the process at exit
         raise
     # Every rank must agree on what rank 0 decided or measured.
-    shown, resolved = broadcast_object((str(run_dir), str(run_dir.resolve())))
-    run_dir = Path(shown)
-    if comm.rank == 0 and setup.compute_ms < 0:  # the machine's cached measurement, as the simulator uses
+    shown, resolved, host = broadcast_object((str(run_dir), str(run_dir.resolve()), socket.gethostname()))
+    run_dir, writer = Path(shown), comm.rank == 0
+    # Where this rank may read the run directory for its lines: rank 0's machine only (elsewhere a copy of it
+    # under the same name could be stale).
+    local = run_dir if writer else Path(resolved) if host == socket.gethostname() else None
+    if writer and setup.compute_ms < 0:  # the machine's cached measurement, as the simulator uses
         from shaky.setup import measured_compute_ms  # noqa: PLC0415
 
         setup.compute_ms = measured_compute_ms(setup)
     setup.compute_ms = float(broadcast_object(setup.compute_ms))
-    writer = comm.rank == 0
     if writer:
         _claim_run_dir(run_dir, resume=bool(args.resume))
         # What a process started again for a dead rank needs (udp takes it back; gloo says it cannot).
         comm.publish_run({"run_dir": resolved, "compute_ms": setup.compute_ms,
-                          "config": to_dict(cfg), "transport": cfg.dist.transport})
+                          "config": to_dict(cfg), "transport": cfg.dist.transport, "host": host})
     tell_launcher(resolved, cfg.dist.transport)   # every rank: a launcher without rank 0 learns it too
     try:
         if args.resume:
@@ -450,19 +465,12 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     except (LeftBehind, ForgedRecord) as exc:
         if writer:
             _end_run(comm)
-        say(f"shaky: error: {exc}; last checkpoint: {_checkpoint_note(run_dir, _dist_command())}")
+        say(f"shaky: error: {exc}; last checkpoint: {_checkpoint_note(run_dir, _dist_command(), local)}")
         return 3
     except (RuntimeError, dist.DistBackendError) as exc:
         if writer:
             _end_run(comm)
-        found = comm.diagnose_failure(cfg.dist_timeout_s)
-        who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
-               "rank 0, which hosts the run's store, is gone")
-        # The run stopped (this rank is not one to take back alone): the launcher starts it again as a whole.
-        tell_launcher(resolved, cfg.dist.transport, stopped=True)
-        say(f"shaky: error: {who} (rank {comm.rank} saw: {' '.join(str(exc).split())[:100]}); "
-            f"last checkpoint: {_checkpoint_note(run_dir, _dist_command())}")
-        return 3
+        return _run_stopped(comm, cfg, exc, run_dir, resolved, local)
     finally:
         comm.close()
         if dist.is_initialized():
@@ -472,6 +480,21 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
             print(json.dumps(summary, indent=2))
         print(f"run directory: {run_dir}")
     return 0
+
+
+def _run_stopped(comm: Any, cfg: Any, exc: Exception, run_dir: Path, resolved: str, local: Path | None) -> int:
+    """A collective or the store failed: the run stopped (a rank died on gloo, or rank 0). Says which rank, in one
+    line, and tells the launcher that this rank ended with the run (it is not one to take back alone: the
+    launcher starts the run again as a whole). Status 3."""
+    from shaky.launch import tell_launcher  # noqa: PLC0415
+
+    found = comm.diagnose_failure(cfg.dist_timeout_s)
+    who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
+           "rank 0, which hosts the run's store, is gone")
+    tell_launcher(resolved, cfg.dist.transport, stopped=True)
+    say(f"shaky: error: {who} (rank {comm.rank} saw: {' '.join(str(exc).split())[:100]}); "
+        f"last checkpoint: {_checkpoint_note(run_dir, _dist_command(), local)}")
+    return 3
 
 
 def _end_run(comm: Any) -> None:
@@ -505,10 +528,9 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
         given = [n for n in (*_FLAGS, "config", "out") if getattr(args, n) is not None] + (["set"] if args.set else [])
         if given:
             raise BadInput(f"--resume continues with the run's saved config; drop --{given[0].replace('_', '-')}")
-        rank = _job_rank()
-        if rank:
+        rank, run_dir = _job_rank(), Path(args.resume)
+        if rank and (_launcher() == "shaky launch" or not _simulator_run(run_dir)):
             return _resumed_from_rank_0()
-        run_dir = Path(args.resume)
         if rank == 0:
             return _hand_out_resume(run_dir), run_dir
         cfg = load_run_config(run_dir)
@@ -542,8 +564,8 @@ def _hand_out_resume(run_dir: Path) -> Any:
             cfg = load_run_config(run_dir)
         except (ValueError, TypeError) as exc:
             raise BadInput(str(exc)) from None
-        if cfg.backend != "dist":
-            raise BadInput(f"--resume {run_dir}: a run on backend {cfg.backend!r}, and {_launcher()} runs backend "
+        if cfg.backend != "dist" and _launcher() == "shaky launch":
+            raise BadInput(f"--resume {run_dir}: a run on backend {cfg.backend!r}, and shaky launch runs backend "
                            f"'dist' (resume it with `shaky train --resume {run_dir}`)")
     except BadInput as exc:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -551,6 +573,8 @@ def _hand_out_resume(run_dir: Path) -> Any:
             hand_out_resume({"error": str(exc)}, RESUME_ERROR_WAIT_S)
             raise Stop("", EXIT_BAD_INPUT) from None
         raise
+    if cfg.backend != "dist":   # a simulator run resumed where RANK is set (started by torchrun, a cluster's job)
+        return cfg
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         try:
             hand_out_resume({"config": to_dict(cfg), "run_dir": str(run_dir.resolve())}, cfg.dist_timeout_s)
@@ -558,6 +582,24 @@ def _hand_out_resume(run_dir: Path) -> Any:
             raise Stop(f"error: rank 0 cannot open the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
                        f"{os.environ.get('MASTER_PORT')}: {' '.join(str(exc).split())[:100]}", 3) from None
     return cfg
+
+
+def _machine() -> str:
+    """This machine's place in a job (torchrun's and shaky launch's GROUP_RANK; "0": rank 0's, or no job)."""
+    return os.environ.get("GROUP_RANK", "0")
+
+
+def _simulator_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a readable config of a simulator run (resumed by a process that RANK names, e.g.
+    a cluster's job step, it runs as any simulator run does). Nothing else is read here: a dist run's rank > 0
+    takes its config from rank 0."""
+    from shaky.config import config_from_dict, load_toml  # noqa: PLC0415
+    from shaky.rundir import CONFIG_FILE  # noqa: PLC0415
+
+    try:
+        return config_from_dict(load_toml(str(run_dir / CONFIG_FILE))).backend != "dist"
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _resumed_from_rank_0() -> tuple[Any, Path]:
@@ -933,7 +975,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every user-input check runs before a run directory exists; errors
         # raised later are bugs and keep their traceback. Under torchrun every rank finds the same bad
         # input: rank 0 says it, once.
-        if os.environ.get("RANK", "0") == "0" or isinstance(exc, AloneBadInput):
+        # On another machine than rank 0's, its first rank says it too: rank 0's line is not seen there.
+        if os.environ.get("RANK", "0") == "0" or isinstance(exc, AloneBadInput) or (
+                os.environ.get("LOCAL_RANK") == "0" and _machine() != "0"):
             say(f"shaky: error: {exc}")
         elif "TORCHELASTIC_RUN_ID" in os.environ:
             # torchrun stops every rank when the first one exits: leave rank 0 the time to say it.

@@ -196,10 +196,11 @@ def resume_args(args: Sequence[str], run_dir: str) -> list[str]:
     return ["--resume", run_dir, *(["--quiet"] if "--quiet" in args else [])]
 
 
-def tell_launcher(run_dir: str, transport: str, *, stopped: bool = False) -> None:
-    """A rank under ``shaky launch``: the run's directory (rank 0's) and transport, to the file the launcher
-    named for it; ``stopped``: the rank is ending because the run stopped (rank 0 went, or on gloo any rank), not
-    because it was left out: it is not one to start again alone."""
+def tell_launcher(run_dir: str | None, transport: str | None, *, stopped: bool = False) -> None:
+    """A rank under ``shaky launch``: the run's directory (rank 0's) and transport (None: not known, the process
+    group never formed), to the file the launcher named for it; ``stopped``: the rank is ending because the run
+    stopped (rank 0 went, or on gloo any rank) or never started, not because it was left out: it is not one to
+    start again alone."""
     path = os.environ.get(RUN_FILE_ENV)
     if path:
         write_json(Path(path), {"run_dir": run_dir, "transport": transport, "stopped": stopped})
@@ -318,17 +319,19 @@ class Launcher:
 
     def _run_info(self, ranks: Sequence[int] | None = None) -> dict[str, Any]:
         """What the first of ``ranks`` that wrote of the run wrote (its directory and transport, and whether it
-        ended because the run stopped); default: the ranks here, or what they wrote in an earlier attempt; empty
-        before one has."""
+        ended because the run stopped); default: the first of the ranks here that knew the directory, or what
+        they wrote in an earlier attempt; empty before one has."""
         for rank in self.cfg.ranks if ranks is None else ranks:
             try:
                 with open(self._run_file(rank), encoding="utf-8") as f:
                     told = dict(json.load(f))
             except (OSError, ValueError):
                 continue
-            if ranks is None:
+            if ranks is not None:
+                return told
+            if told.get("run_dir"):
                 self.told = told
-            return told
+                return told
         return self.told if ranks is None else {}
 
     def _run_file(self, rank: int) -> str:

@@ -357,17 +357,51 @@ def test_over_two_machines_a_dead_rank_0_stops_a_udp_run_and_both_launchers_resu
 
 
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
+def test_over_two_machines_a_rank_taken_back_stops_with_the_run_and_starts_again_with_the_others(
+        tmp_path: Path) -> None:
+    """udp, --max-restarts 2: rank 3 dies at step 30 and is started again alone and taken back; then rank 0 dies
+    at step 80. The process taken back stops with the run (one line, not a traceback) and says so to its
+    launcher, which starts it again with the others from the last checkpoint, not alone into the next attempt:
+    the run ends with 4 live workers and both launchers with status 0."""
+    (tmp_path / "shaky.key").write_text(os.urandom(32).hex())
+    args = [*ARGS[:2], "--workers", "4", *ARGS[4:], "--steps", "200", "--checkpoint-every", "20", "--key-file",
+            str(tmp_path / "shaky.key"), "--out", "run"]
+    (code0, err0), (code1, err1) = _two_machines(tmp_path, args, "kill:3:30,kill:0:80", restarts=2)
+    assert (code0, code1) == (0, 0), (err0, err1)
+    assert "shaky launch: rank 3 killed by SIGKILL; starting it again (1 of 2)" in err1, err1
+    assert "starting it again (2 of 2)" not in err1 and "Traceback" not in err1, err1
+    assert "shaky launch: the run stopped (rank 2 exited with status 3); starting the ranks here again" in err1, err1
+    summary = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
+    assert summary["steps"] == 200 and summary["live_workers"] == 4, summary
+
+
+def test_a_simulator_run_resumes_where_rank_and_master_port_are_set(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster's job step (or a torchrun worker) has RANK and MASTER_PORT set: resuming a simulator run there
+    is a simulator run as anywhere, on any rank, not a wait for a rank 0 that hands out a config."""
+    run = tmp_path / "run"
+    assert main(["train", "--workers", "2", "--steps", "4", "--checkpoint-every", "2", "--quiet", "--out",
+                 str(run)]) == 0
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+
+
+@pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
 def test_bad_input_in_a_resumed_run_reaches_the_machines_without_its_directory(tmp_path: Path) -> None:
     """Rank 0 finds that the run to resume is a simulator run: it says so in one line, and the ranks of the machine
     that has no copy of the directory learn it from rank 0 and stop with status 2 too (not after waiting for a
-    process group that never forms)."""
+    process group that never forms), the first of them saying the same line there."""
     assert main(["train", "--workers", "4", "--steps", "2", "--quiet", "--out", str(tmp_path / "a" / "run")]) == 0
     (node0, err0), (node1, err1) = _two_machines(tmp_path, ["--resume", "run", "--quiet"])
     assert (node0, node1) == (2, 2), (err0, err1)
-    errors = [line for line in err0.splitlines() if line.startswith("shaky: error:")]
-    assert errors == ["shaky: error: --resume run: a run on backend 'sim', and shaky launch runs backend 'dist' "
-                      "(resume it with `shaky train --resume run`)"], err0
-    assert "shaky: error" not in err1, err1
+    line = ("shaky: error: --resume run: a run on backend 'sim', and shaky launch runs backend 'dist' (resume it with "
+            "`shaky train --resume run`)")
+    for err in (err0, err1):
+        assert [e for e in err.splitlines() if e.startswith("shaky: error:")] == [line], err
 
 
 def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -562,10 +562,13 @@ def shorten_store_retransmits(port: int) -> float | None:
     return held
 
 
-RUN_KEY = "shaky/run"
+ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+"""torchrun's count of the times it started its workers again: its agent's store outlives an attempt, so shaky's
+keys there name the attempt (``shaky launch`` starts a new store with every rank 0)."""
+RUN_KEY = f"shaky/run/{ATTEMPT}"
 """The run record (:meth:`DistComm.publish_run`) in the rendezvous store: its presence means a run is in progress."""
-ENDED_KEY = "shaky/ended"
-"""Set in the rendezvous store when the run has finished."""
+ENDED_KEY = f"shaky/ended/{ATTEMPT}"
+"""Set in the rendezvous store when the run has finished, or stopped for a failure."""
 
 
 def rendezvous_store() -> dist.Store:
@@ -607,11 +610,11 @@ def run_in_progress(timeout_s: float) -> JoinStore | None:
     return JoinStore(raw, rank, world, json.loads(raw.get(RUN_KEY).decode()))
 
 
-RESUME_KEY = "shaky/resume"
+RESUME_KEY = f"shaky/resume/{ATTEMPT}"
 """A resumed run's config and directory, or the bad input that stops it, which rank 0 reads from the run
 directory and sets in the rendezvous store before the process group forms (:func:`hand_out_resume`): the other
 ranks' machines need no copy of the directory."""
-RESUME_READ_KEY = "shaky/resume/read"
+RESUME_READ_KEY = f"shaky/resume-read/{ATTEMPT}"
 """How many ranks have read :data:`RESUME_KEY` (a counter)."""
 _early_stores: list[dist.Store] = []
 """Rank 0's own handle on the rendezvous store, opened before the process group: it hosts the store there (torch's
@@ -669,7 +672,15 @@ def resumed_run(timeout_s: float) -> dict[str, Any]:
                            "resumed run's config and checkpoint come from rank 0, which reads the run directory "
                            f"(is it running? {seen})")
         try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left))
+            # Knocked first with a plain socket: torch's client retries a refused connect well past the timeout
+            # it is given, logging a stack trace at each try.
+            socket.create_connection((host, port), timeout=min(left, 2.0)).close()
+        except OSError as exc:
+            seen = f"{host}:{port}: {exc.strerror or exc}"
+            time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+            continue
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(left, 10.0)))
             while time.monotonic() < deadline:
                 if store.check([ENDED_KEY]):
                     seen = "the store there is the ended run's"
