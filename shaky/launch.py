@@ -386,11 +386,14 @@ class Launcher:
         return True
 
     def _culprit(self, transport: str | None) -> str:
-        """What stopped the run, as the ranks here saw it: on udp rank 0's end where it ran here (a rank lost
-        before was left out), else the lowest rank here that failed on its own, else the lowest that stopped with
-        the run (status 3: the cause was elsewhere)."""
+        """What stopped the run, as the ranks here saw it: on udp rank 0's end (here, or elsewhere: a rank here
+        that stopped with the run says it; a rank lost before was left out), else the lowest rank here that failed
+        on its own, else the lowest that stopped with the run (status 3: the cause was elsewhere)."""
         if transport == "udp" and 0 in self.statuses:
             return f"rank 0 {describe(self.statuses[0])} and the run stopped"
+        stopped = [r for r in sorted(self.statuses) if self.statuses[r] == EXIT_RUN_STOPPED]
+        if transport == "udp" and stopped:   # rank 0, elsewhere, went (a rank lost here before was left out)
+            return f"the run stopped (rank {stopped[0]} {describe(EXIT_RUN_STOPPED)})"
         failed = [r for r in sorted(self.statuses) if _ended_on_purpose(self.statuses[r], False) is None]
         own = [r for r in failed if self.statuses[r] != EXIT_RUN_STOPPED]
         if own:

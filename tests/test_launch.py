@@ -507,6 +507,31 @@ def test_on_udp_the_group_restart_names_rank_0_even_after_a_rank_was_lost_for_go
     assert lines[-1].startswith("rank 0 killed by SIGABRT and the run stopped; starting every rank again"), lines
 
 
+def test_on_a_machine_without_rank_0_a_udp_group_restart_names_the_run_s_stop_not_a_rank_lost_before(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """udp, ranks 3-5 here, rank 0 elsewhere: rank 5 dies twice (lost for good), then rank 0 goes and ranks 3 and 4
+    stop with the run: the line says the run stopped, as rank 3 saw it, not that rank 5 stopped it."""
+    monkeypatch.setattr(launch.subprocess, "Popen", FakeRank)
+    lines: list[str] = []
+    launcher = Launcher(LaunchConfig(nproc_per_node=3, nnodes=2, node_rank=1, master_port=29500, max_restarts=1),
+                        ["--quiet"], env={}, say=lines.append)
+    launcher.run_files = str(tmp_path)
+    (tmp_path / "run-3.json").write_text(json.dumps({"run_dir": "/abs/run", "transport": "udp", "stopped": False}))
+    for rank in range(3, 6):
+        launcher._start(rank)
+    for _ in range(2):
+        launcher.procs[5].status = -signal.SIGKILL
+        launcher._watch()
+    for rank in (3, 4):     # what a rank that rank 0's end stopped tells its launcher (cli._run_stopped)
+        (tmp_path / f"run-{rank}.json").write_text(json.dumps({"run_dir": "/abs/run", "transport": "udp",
+                                                               "stopped": True}))
+        launcher.procs[rank].status = 3
+    launcher._watch()
+    assert launcher._restart_group()
+    assert lines[-1] == ("the run stopped (rank 3 exited with status 3); starting the ranks here again from its last "
+                         "checkpoint: train --resume /abs/run (1 of 1)"), lines
+
+
 def test_a_stop_signal_reaches_a_rank_started_after_it_and_every_rank_once(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     launcher, _ = _fake_launcher(tmp_path, monkeypatch)
