@@ -422,6 +422,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         if dist.get_world_size() != cfg.num_workers:
             raise BadInput(f"num_workers is {cfg.num_workers} but {_launcher()} started {dist.get_world_size()} "
                            "processes; they must match (one worker per process)")
+        _check_same_config(cfg, resumed=bool(args.resume))
         if cfg.dist.transport == "udp":   # a lane for each exchange a delay keeps in flight, and the next one
             slots = setup.strategy.exchange.schedule.slots
             comm = udp_comm(cfg.dist, heartbeat=True, lanes=slots + 1 if slots else 1,
@@ -435,6 +436,9 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
     except BadInput:
         dist.destroy_process_group()   # leaving with the group alive can abort the process at exit
         raise
+    except ForgedRecord as exc:
+        dist.destroy_process_group()
+        raise Stop(f"error: {exc}", 3) from None
     # Every rank must agree on what rank 0 decided or measured.
     shown, resolved, host = broadcast_object((str(run_dir), str(run_dir.resolve()), socket.gethostname()))
     run_dir, writer = Path(shown), comm.rank == 0
@@ -453,8 +457,6 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
                           "config": to_dict(cfg), "transport": cfg.dist.transport, "host": host})
     tell_launcher(resolved, cfg.dist.transport)   # every rank: a launcher without rank 0 learns it too
     try:
-        if args.resume:
-            _check_handed_out(cfg, comm.rank)
         with _stopping(run_dir, _dist_command(), writer=writer):
             summary = train(setup, run_dir, comm=comm, resume=bool(args.resume), writer=writer,
                             label=cfg.strategy.name, progress=not args.quiet, faults=_faults())
@@ -506,18 +508,39 @@ def _end_run(comm: Any) -> None:
         pass
 
 
-def _check_handed_out(cfg: Any, rank: int) -> None:
-    """A resumed run: the config a rank > 0 took from the rendezvous store, which takes writes from whoever
-    reaches it, is rank 0's own (sent over the process group): nothing from outside the run configures a rank."""
-    from shaky.comm.dist import ForgedRecord, broadcast_object  # noqa: PLC0415
+MACHINE_SETTINGS = ("data.path", "network.trace", "dist.key_file", "dist.ports", "dist.host", "device")
+"""Settings that may differ between the machines of one run: local paths, addresses and devices."""
+
+
+def _check_same_config(cfg: Any, *, resumed: bool) -> None:
+    """Every rank runs rank 0's config (but :data:`MACHINE_SETTINGS`): each compares its own with rank 0's, sent
+    over the process group, and all learn of any difference (a collective), so that every rank stops alike.
+    In a new run each machine reads its own command line (BadInput, status 2); in a resumed run the ranks > 0
+    took theirs from the rendezvous store, which takes writes from whoever reaches it (ForgedRecord)."""
+    from shaky.comm.dist import ForgedRecord, broadcast_object, gather_object  # noqa: PLC0415
     from shaky.config import to_dict  # noqa: PLC0415
 
-    mine = json.loads(json.dumps(to_dict(cfg)))
-    differs = _first_difference(mine, broadcast_object(mine))
-    if differs is not None:
-        name, got, theirs = differs
+    def shared(values: dict[str, Any]) -> dict[str, Any]:
+        out = json.loads(json.dumps(values))
+        for name in MACHINE_SETTINGS:
+            *tables, key = name.split(".")
+            table = out
+            for t in tables:
+                table = table.get(t, {})
+            table.pop(key, None)
+        return out
+
+    mine = to_dict(cfg)
+    found = gather_object(_first_difference(shared(mine), shared(broadcast_object(mine))))
+    rank, differs = next(((r, d) for r, d in enumerate(found) if d is not None), (None, None))
+    if differs is None:
+        return
+    name, got, theirs = differs
+    if resumed:
         raise ForgedRecord(f"rank {rank}: the resumed run's config in the rendezvous store is not rank 0's (its "
                            f"{name} is {got!r}, rank 0's {theirs!r}): something outside the run wrote it")
+    raise BadInput(f"rank {rank}'s {name} is {got!r}, rank 0's is {theirs!r}: every machine must run the same "
+                   f"command line (only {', '.join(MACHINE_SETTINGS)} may differ)")
 
 
 def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:

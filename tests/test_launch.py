@@ -405,8 +405,8 @@ def test_bad_input_in_a_resumed_run_reaches_the_machines_without_its_directory(t
 
 
 def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rendezvous store takes writes from anyone: a resumed rank checks the config it took there against rank
-    0's own, sent over the process group, and stops naming the setting that differs."""
+    """The rendezvous store takes writes from anyone: a resumed rank's config, taken there, is checked against rank
+    0's own, sent over the process group, and every rank stops naming the rank and the setting that differs."""
     from shaky import cli
     from shaky.comm import dist as shaky_dist
     from shaky.config import RunConfig, to_dict
@@ -415,10 +415,34 @@ def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: 
     rank0 = json.loads(json.dumps(to_dict(ours)))
     rank0["optim"]["lr"] = 0.5
     monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: rank0)
+    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [None, value])     # as rank 1 of 2
     with pytest.raises(shaky_dist.ForgedRecord, match=r"rank 1: .*\(its optim\.lr is 0\.1, rank 0's 0\.5\)"):
-        cli._check_handed_out(ours, 1)
-    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: value)
-    cli._check_handed_out(ours, 1)
+        cli._check_same_config(ours, resumed=True)
+    rank0["optim"]["lr"], rank0["dist"]["host"], rank0["data"]["path"] = 0.1, "10.0.0.1", "/elsewhere/data.npz"
+    cli._check_same_config(ours, resumed=True)      # settings of a machine's own may differ
+
+
+def test_machines_that_run_different_command_lines_stop_before_they_train(tmp_path: Path) -> None:
+    """Two launchers whose command lines differ in a setting the run shares (optim.lr): every rank stops with
+    status 2, rank 0 and the other machine's first rank saying which rank and setting differ; nothing is written."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node",
+              "1", "train", "--workers", "2", "--steps", "5", "--quiet", "--out", str(tmp_path / "run")]
+    procs = [subprocess.Popen([sys.executable, "-m", "shaky", "launch", "--node-rank", str(node), *common[:-2],
+                               "--lr", lr, *common[-2:]], env=env, stderr=subprocess.PIPE, text=True)
+             for node, lr in ((0, "0.1"), (1, "0.2"))]
+    errs = []
+    for proc in procs:
+        try:
+            errs.append(proc.communicate(timeout=120)[1])
+        finally:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [2, 2], errs
+    line = ("shaky: error: rank 1's optim.lr is 0.2, rank 0's is 0.1: every machine must run the same command line "
+            "(only data.path, network.trace, dist.key_file, dist.ports, dist.host, device may differ)")
+    for err in errs:
+        assert [e for e in err.splitlines() if e.startswith("shaky: error:")] == [line], errs
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(("statuses", "used", "stopping", "run_dir", "transport", "expected"), [

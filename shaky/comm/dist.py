@@ -1727,6 +1727,13 @@ def broadcast_object(value: object) -> object:
     return box[0]
 
 
+def gather_object(value: object) -> list[object]:
+    """Every rank's ``value``, by rank, on every rank."""
+    values: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def _mask_record(up_obs: torch.Tensor, down_obs: torch.Tensor, proposal: float) -> torch.Tensor:
     """A rank's part of an exchange's masks round: what reached it ([W, S] each), and its deadline proposal."""
     return torch.cat([up_obs.reshape(-1).to(torch.uint8), down_obs.reshape(-1).to(torch.uint8),
