@@ -225,14 +225,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg, run_dir = _train_config(args)
-        joining = _joining(cfg.dist_timeout_s) if cfg.backend == "dist" else None
-        if joining is None and (_job_rank() in (None, 0) or _machine() == "0"):   # (rank 0 writes --out)
+        if _job_rank() in (None, 0):    # rank 0 writes --out
             _check_out(args)
-        # dist: rank 0 measures alone (_train_dist); device cuda puts each rank on GPU LOCAL_RANK
+        # dist: rank 0 measures alone (_train_dist); device cuda puts each rank on GPU LOCAL_RANK. Before a rank
+        # waits for rank 0's store: bad input found here is said at once, on every machine.
         setup = prepare(cfg, measure=cfg.backend != "dist",
                         local_rank=int(os.environ.get("LOCAL_RANK") or 0) if cfg.backend == "dist" else None)
     except (ValueError, TypeError) as exc:
         raise BadInput(str(exc)) from None
+    joining = _joining(cfg.dist_timeout_s) if cfg.backend == "dist" else None
+    if joining is None and _job_rank() not in (None, 0) and _machine() == "0":   # as rank 0 beside it says
+        _check_out(args)
     if joining is not None:
         return _rejoin_dist(args, setup, joining)
     if cfg.backend == "dist":
@@ -316,9 +319,21 @@ def _joining(timeout_s: float) -> Any:
     at MASTER_ADDR:MASTER_PORT (``shaky.comm.dist.run_in_progress``), else None."""
     if "RANK" not in os.environ or os.environ.get("RANK") == "0" or "MASTER_PORT" not in os.environ:
         return None
-    from shaky.comm.dist import run_in_progress  # noqa: PLC0415
+    from shaky.comm.dist import NoStore, run_in_progress  # noqa: PLC0415
+    from shaky.launch import tell_launcher  # noqa: PLC0415
 
-    return run_in_progress(timeout_s)
+    try:
+        return run_in_progress(timeout_s)
+    except NoStore as exc:
+        tell_launcher(None, None, stopped=True)     # not a rank to start again alone: there is no run
+        raise _no_group(timeout_s, str(exc)) from None
+
+
+def _no_group(timeout_s: float, why: str) -> Stop:
+    """The one line of a rank whose process group did not form (status 3)."""
+    return Stop(f"error: rank {os.environ.get('RANK')}: the process group did not form (rank 0's store at "
+                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}; every rank must start within "
+                f"dist_timeout_s = {timeout_s:g} s of the others): {' '.join(why.split())[:100]}", 3)
 
 
 def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
@@ -340,6 +355,14 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
         name, mine, theirs = differs
         raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: its {name} is {mine!r}, the "
                        f"run's is {theirs!r} (start it with the run's command line)")
+    from shaky.setup import inputs_digest  # noqa: PLC0415
+
+    for name, digest in inputs_digest(setup).items():
+        if digest != record.get("inputs", {}).get(name, digest):
+            raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: its "
+                                f"{_FIELD_OF.get(name, name)} {_setting(to_dict(cfg), name)!r} holds other "
+                                f"{cfg.data.dataset + ' data' if name == 'data' else 'masks'} than the run's "
+                                f"(sha256 {digest[:12]}, the run's {record['inputs'][name][:12]})")
     run_dir = Path(record["run_dir"])
     setup.compute_ms = float(record["compute_ms"])
     slots = setup.strategy.exchange.schedule.slots
@@ -405,6 +428,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
                                  udp_comm)
     from shaky.config import to_dict  # noqa: PLC0415
     from shaky.launch import tell_launcher  # noqa: PLC0415
+    from shaky.setup import inputs_digest  # noqa: PLC0415
     from shaky.train import train  # noqa: PLC0415
 
     cfg = setup.cfg
@@ -414,15 +438,13 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         raise BadInput(str(exc)) from None
     except RuntimeError as exc:     # DistStoreError, DistNetworkError: a rank that never came, a store that went
         tell_launcher(None, None, stopped=True)     # not a rank to start again alone: there is no run
-        raise Stop(f"error: rank {os.environ.get('RANK')}: the process group did not form (rank 0's store at "
-                   f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}; every rank must start within "
-                   f"dist_timeout_s = {cfg.dist_timeout_s:g} s of the others): {' '.join(str(exc).split())[:100]}",
-                   3) from None
+        raise _no_group(cfg.dist_timeout_s, str(exc)) from None
     try:
         if dist.get_world_size() != cfg.num_workers:
             raise BadInput(f"num_workers is {cfg.num_workers} but {_launcher()} started {dist.get_world_size()} "
                            "processes; they must match (one worker per process)")
-        _check_same_config(cfg, resumed=bool(args.resume))
+        inputs = inputs_digest(setup)
+        _check_same_config(cfg, resumed=bool(args.resume), inputs=inputs)
         if cfg.dist.transport == "udp":   # a lane for each exchange a delay keeps in flight, and the next one
             slots = setup.strategy.exchange.schedule.slots
             comm = udp_comm(cfg.dist, heartbeat=True, lanes=slots + 1 if slots else 1,
@@ -454,7 +476,8 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         _claim_run_dir(run_dir, resume=bool(args.resume))
         # What a process started again for a dead rank needs (udp takes it back; gloo says it cannot).
         comm.publish_run({"run_dir": resolved, "compute_ms": setup.compute_ms,
-                          "config": to_dict(cfg), "transport": cfg.dist.transport, "host": host})
+                          "config": to_dict(cfg), "transport": cfg.dist.transport, "host": host,
+                          "inputs": inputs})
     tell_launcher(resolved, cfg.dist.transport)   # every rank: a launcher without rank 0 learns it too
     try:
         with _stopping(run_dir, _dist_command(), writer=writer):
@@ -512,11 +535,14 @@ MACHINE_SETTINGS = ("data.path", "network.trace", "dist.key_file", "dist.ports",
 """Settings that may differ between the machines of one run: local paths, addresses and devices."""
 
 
-def _check_same_config(cfg: Any, *, resumed: bool) -> None:
+def _check_same_config(cfg: Any, *, resumed: bool, inputs: dict[str, str] | None = None) -> None:
     """Every rank runs rank 0's config (but :data:`MACHINE_SETTINGS`): each compares its own with rank 0's, sent
     over the process group, and all learn of any difference (a collective), so that every rank stops alike.
     In a new run each machine reads its own command line (BadInput, status 2); in a resumed run the ranks > 0
-    took theirs from the rendezvous store, which takes writes from whoever reaches it (ForgedRecord)."""
+    took theirs from the rendezvous store, which takes writes from whoever reaches it (ForgedRecord).
+
+    ``inputs``: the digests of what this rank read from its own paths (:func:`shaky.setup.inputs_digest`), which
+    must be rank 0's too: two machines whose data.path holds other data would train apart, silently (BadInput)."""
     from shaky.comm.dist import ForgedRecord, broadcast_object, gather_object  # noqa: PLC0415
     from shaky.config import to_dict  # noqa: PLC0415
 
@@ -531,16 +557,39 @@ def _check_same_config(cfg: Any, *, resumed: bool) -> None:
         return out
 
     mine = to_dict(cfg)
-    found = gather_object(_first_difference(shared(mine), shared(broadcast_object(mine))))
-    rank, differs = next(((r, d) for r, d in enumerate(found) if d is not None), (None, None))
-    if differs is None:
-        return
-    name, got, theirs = differs
-    if resumed:
-        raise ForgedRecord(f"rank {rank}: the resumed run's config in the rendezvous store is not rank 0's (its "
-                           f"{name} is {got!r}, rank 0's {theirs!r}): something outside the run wrote it")
-    raise BadInput(f"rank {rank}'s {name} is {got!r}, rank 0's is {theirs!r}: every machine must run the same "
-                   f"command line (only {', '.join(MACHINE_SETTINGS)} may differ)")
+    read = {name: (_setting(mine, name), digest) for name, digest in (inputs or {}).items()}
+    found = gather_object((_first_difference(shared(mine), shared(broadcast_object(mine))), read))
+    rank, differs = next(((r, d) for r, (d, _) in enumerate(found) if d is not None), (None, None))
+    if differs is not None:
+        name, got, theirs = differs
+        if resumed:
+            raise ForgedRecord(f"rank {rank}: the resumed run's config in the rendezvous store is not rank 0's (its "
+                               f"{name} is {got!r}, rank 0's {theirs!r}): something outside the run wrote it")
+        raise BadInput(f"rank {rank}'s {name} is {got!r}, rank 0's is {theirs!r}: every machine must run the same "
+                       f"command line (only {', '.join(MACHINE_SETTINGS)} may differ)")
+    for rank, (_, theirs) in enumerate(found):
+        for name, (path, digest) in theirs.items():
+            path0, digest0 = found[0][1].get(name, ("", ""))
+            if digest == digest0:
+                continue
+            what = f"{cfg.data.dataset} data" if name == "data" else "masks"
+            sums = f"sha256 {digest[:12]}, rank 0's {digest0[:12]}"
+            if name == "data" and not path and not path0:
+                raise BadInput(f"rank {rank} loads other {what} than rank 0 ({sums}: another version of the library "
+                               "that ships it?); every machine must train on the same data")
+            raise BadInput(f"rank {rank}'s {_FIELD_OF.get(name, name)} {path!r} holds other {what} than rank 0's "
+                           f"{path0!r} ({sums}); every machine must read the same {'data' if name == 'data' else 'trace'}")
+
+
+_FIELD_OF = {"data": "data.path"}
+"""The setting that names the file behind each of :func:`shaky.setup.inputs_digest`'s digests."""
+
+
+def _setting(values: dict[str, Any], name: str) -> Any:
+    """``values``' setting ``name`` (dotted: data.path), or '' where it has none."""
+    for key in _FIELD_OF.get(name, name).split("."):
+        values = values.get(key, {}) if isinstance(values, dict) else {}
+    return values if values != {} else ""
 
 
 def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -253,6 +254,27 @@ def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = No
     if setup.compute_ms < 0 and measure:
         setup.compute_ms = measured_compute_ms(setup)
     return setup
+
+
+def inputs_digest(setup: Setup) -> dict[str, str]:
+    """SHA-256 of what this machine read for the run from its own files and libraries, by setting: ``data`` (the
+    data set after loading and splitting, train and test: another copy of a CIFAR-10 directory or text file, or
+    another scikit-learn's or mnist1d's set, differs) and, where one is replayed, ``network.trace`` (its masks).
+    The dist backend compares every rank's with rank 0's, since these paths may differ between machines."""
+    def digest(*arrays: torch.Tensor | np.ndarray, meta: object) -> str:
+        h = hashlib.sha256(json.dumps(meta).encode())
+        for a in arrays:
+            t = torch.as_tensor(a).detach().cpu().contiguous()
+            h.update(f"{t.dtype}{list(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        return h.hexdigest()
+
+    d = setup.data
+    out = {"data": digest(d.x_train, d.y_train, d.x_test, d.y_test,
+                          meta=[d.name, list(d.input_shape), d.num_classes, d.vocab_size, list(d.classes)])}
+    if isinstance(setup.network, TraceNetwork):
+        out["network.trace"] = digest(*setup.network.packed, meta="trace")
+    return out
 
 
 def gradient_diversity(grads: torch.Tensor, comm: Comm, weights: torch.Tensor | None) -> float:

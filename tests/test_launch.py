@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -415,22 +416,94 @@ def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: 
     rank0 = json.loads(json.dumps(to_dict(ours)))
     rank0["optim"]["lr"] = 0.5
     monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: rank0)
-    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [None, value])     # as rank 1 of 2
+    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, {}), value])     # as rank 1 of 2
     with pytest.raises(shaky_dist.ForgedRecord, match=r"rank 1: .*\(its optim\.lr is 0\.1, rank 0's 0\.5\)"):
         cli._check_same_config(ours, resumed=True)
     rank0["optim"]["lr"], rank0["dist"]["host"], rank0["data"]["path"] = 0.1, "10.0.0.1", "/elsewhere/data.npz"
     cli._check_same_config(ours, resumed=True)      # settings of a machine's own may differ
 
 
-def test_machines_that_run_different_command_lines_stop_before_they_train(tmp_path: Path) -> None:
-    """Two launchers whose command lines differ in a setting the run shares (optim.lr): every rank stops with
-    status 2, rank 0 and the other machine's first rank saying which rank and setting differ; nothing is written."""
+def test_a_machine_whose_data_is_not_rank_0_s_stops_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.path and network.trace may differ between machines, what they hold may not: each rank's digest of the
+    data it loaded (and of a replayed trace) is compared with rank 0's, and a difference names the rank, the
+    setting and both paths; the same data under another path trains."""
+    from shaky import cli
+    from shaky.comm import dist as shaky_dist
+    from shaky.config import DataConfig, ModelConfig, RunConfig, to_dict
+
+    plain = RunConfig(backend="dist", num_workers=2)
+    ours = dataclasses.replace(plain, data=DataConfig(dataset="text", path="/here/data.txt"),
+                               model=ModelConfig(name="lstm"))
+    rank0 = json.loads(json.dumps(to_dict(ours)))
+    rank0["data"]["path"] = "/there/data.txt"
+    digests = {"data": "ab" * 32}
+    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: rank0)
+    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, {"data": ("/there/data.txt", "cd" * 32)}),
+                                                                      value])
+    with pytest.raises(cli.BadInput, match=(r"^rank 1's data.path '/here/data.txt' holds other text data than rank "
+                                            r"0's '/there/data.txt' \(sha256 abababababab, rank 0's cdcdcdcdcdcd\)")):
+        cli._check_same_config(ours, resumed=False, inputs=digests)
+    with pytest.raises(cli.BadInput, match=r"rank 1's network.trace 't1.npz' holds other masks than rank 0's 't0.npz'"):
+        monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [
+            (None, {"data": ("/there/data.txt", "ab" * 32), "network.trace": ("t0.npz", "00" * 32)}),
+            (None, {"data": ("/here/data.txt", "ab" * 32), "network.trace": ("t1.npz", "11" * 32)})])
+        cli._check_same_config(ours, resumed=False, inputs=digests)
+    ours = plain
+    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: json.loads(json.dumps(to_dict(plain))))
+    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, {"data": ("", "cd" * 32)}), value])
+    with pytest.raises(cli.BadInput, match=r"^rank 1 loads other digits data than rank 0 \(sha256 abababababab, "):
+        cli._check_same_config(ours, resumed=True, inputs=digests)   # the machine's data, not a forged record
+    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, {"data": ("/there", "ab" * 32)}), value])
+    cli._check_same_config(ours, resumed=False, inputs=digests)      # the same data, wherever it lies
+
+
+def test_a_rank_with_other_data_is_not_taken_back(tmp_path: Path) -> None:
+    """A process started again for a dead rank of a udp run compares its data's digest with the one rank 0
+    published with the run, and stops alone with one line before it asks to be taken back."""
+    from types import SimpleNamespace
+
+    from shaky import cli
+    from shaky.config import RunConfig, to_dict
+    from shaky.setup import inputs_digest, prepare
+
+    cfg = RunConfig(backend="dist", num_workers=2)
+    setup = prepare(cfg, measure=False)
+    record = {"transport": "udp", "config": json.loads(json.dumps(to_dict(cfg))), "run_dir": str(tmp_path),
+              "compute_ms": 1.0, "inputs": {"data": "cd" * 32}}
+    args = SimpleNamespace(quiet=True)
+    with pytest.raises(cli.AloneBadInput, match=(r"rank 1 cannot rejoin the run in progress at .*: its data.path '' "
+                                                 r"holds other digits data than the run's \(sha256 [0-9a-f]{12}, "
+                                                 r"the run's cdcdcdcdcdcd\)")):
+        cli._rejoin_dist(args, setup, SimpleNamespace(record=record, rank=1))
+    assert inputs_digest(setup) == inputs_digest(prepare(cfg, measure=False))   # a digest is the data's, each time
+
+
+TEXT = "\n".join(f"{'good' if i % 2 else 'bad'}\t{'a fine day' if i % 2 else 'a poor day'} number {i}"
+                 for i in range(40)) + "\n"
+
+
+@pytest.mark.parametrize("differs", ["lr", "data"])
+def test_machines_that_run_different_command_lines_stop_before_they_train(differs: str, tmp_path: Path) -> None:
+    """Two launchers whose command lines differ in a setting the run shares (optim.lr), or whose data.path holds
+    other data (one line of a text file changed): every rank stops with status 2, rank 0 and the other machine's
+    first rank saying which rank and setting differ; nothing is written."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node",
               "1", "train", "--workers", "2", "--steps", "5", "--quiet", "--out", str(tmp_path / "run")]
+    if differs == "lr":
+        own = [["--lr", "0.1"], ["--lr", "0.2"]]
+        line = ("shaky: error: rank 1's optim.lr is 0.2, rank 0's is 0.1: every machine must run the same command "
+                "line (only data.path, network.trace, dist.key_file, dist.ports, dist.host, device may differ)")
+    else:
+        (tmp_path / "a.txt").write_text(TEXT)
+        (tmp_path / "b.txt").write_text(TEXT.replace("number 7", "number 8"))
+        own = [["--dataset", "text", "--model", "lstm", "--batch-size", "8", "--data-path", str(tmp_path / name)]
+               for name in ("a.txt", "b.txt")]
+        line = (f"shaky: error: rank 1's data.path '{tmp_path / 'b.txt'}' holds other text data than rank 0's "
+                f"'{tmp_path / 'a.txt'}' (sha256 {{}}, rank 0's {{}}); every machine must read the same data")
     procs = [subprocess.Popen([sys.executable, "-m", "shaky", "launch", "--node-rank", str(node), *common[:-2],
-                               "--lr", lr, *common[-2:]], env=env, stderr=subprocess.PIPE, text=True)
-             for node, lr in ((0, "0.1"), (1, "0.2"))]
+                               *own[node], *common[-2:]], env=env, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
     errs = []
     for proc in procs:
         try:
@@ -438,10 +511,15 @@ def test_machines_that_run_different_command_lines_stop_before_they_train(tmp_pa
         finally:
             proc.kill()
     assert [proc.returncode for proc in procs] == [2, 2], errs
-    line = ("shaky: error: rank 1's optim.lr is 0.2, rank 0's is 0.1: every machine must run the same command line "
-            "(only data.path, network.trace, dist.key_file, dist.ports, dist.host, device may differ)")
     for err in errs:
-        assert [e for e in err.splitlines() if e.startswith("shaky: error:")] == [line], errs
+        said = [e for e in err.splitlines() if e.startswith("shaky: error:")]
+        assert len(said) == 1, errs
+        if differs == "data":   # the digests: 12 hex digits each, and not the same
+            sums = said[0].split("(sha256 ")[1].split(")")[0]
+            mine, theirs = sums.split(", rank 0's ")
+            assert len(mine) == len(theirs) == 12 and mine != theirs, said
+            said = [said[0].replace(mine, "{}", 1).replace(theirs, "{}", 1)]
+        assert said == [line], errs
     assert not (tmp_path / "run").exists()
 
 
@@ -605,16 +683,32 @@ def test_lines_of_ranks_that_share_a_pipe_never_run_into_each_other() -> None:
     assert len(lines) == 4000 and set(lines) == expected
 
 
-def test_a_rank_whose_process_group_never_forms_stops_with_one_line(tmp_path: Path) -> None:
-    """The second machine never starts: rank 0 waits dist_timeout_s for it, then says so in one line (no
-    traceback), status 3, and has written nothing."""
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_rank_whose_process_group_never_forms_stops_with_one_line(node: int, tmp_path: Path) -> None:
+    """The other machine never starts: rank 0 waits dist_timeout_s for it (node 0), or rank 1 for rank 0's store
+    (node 1), then says so in one line (no traceback, none of torch's C++ stack traces), status 3, and nothing is
+    written."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nnodes", "2", "--node-rank", "0",
+    proc = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nnodes", "2", "--node-rank", str(node),
                            "--master-port", str(free_port()), "--nproc-per-node", "1", "train", "--workers", "2",
                            "--steps", "5", "--set", "dist_timeout_s=2", "--quiet", "--out", str(tmp_path / "run")],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("shaky: error:")]
     assert len(errors) == 1 and errors[0].startswith(
-        "shaky: error: rank 0: the process group did not form (rank 0's store at 127.0.0.1:"), proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+        f"shaky: error: rank {node}: the process group did not form (rank 0's store at 127.0.0.1:"), proc.stderr
+    assert "Traceback" not in proc.stderr and "frame #" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_input_on_a_machine_without_rank_0_is_said_before_it_waits_for_rank_0(tmp_path: Path) -> None:
+    """Rank 0 is never started: a rank on another machine that finds bad input in its own command line says so
+    at once (status 2), not after waiting dist_timeout_s for rank 0's store."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nnodes", "2", "--node-rank", "1",
+                           "--master-port", str(free_port()), "--nproc-per-node", "1", "train", "--workers", "2",
+                           "--batch-size", "100000", "--set", "dist_timeout_s=600", "--quiet"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("shaky: error:")]
+    assert len(errors) == 1 and errors[0].startswith("shaky: error: batch_size 100000 is larger"), proc.stderr

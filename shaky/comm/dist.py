@@ -592,6 +592,25 @@ class JoinStore(NamedTuple):
     """The run record rank 0 published (:meth:`DistComm.publish_run`)."""
 
 
+class NoStore(RuntimeError):
+    """No rendezvous store answered at MASTER_ADDR:MASTER_PORT in time: the process group cannot form."""
+
+
+def _knock(host: str, port: int, deadline: float) -> str | None:
+    """Waits until something listens at ``host:port`` (None), or says what was last seen there at ``deadline``.
+    A plain socket, before torch's store client: that one retries a refused connect well past the timeout it is
+    given, logging a stack trace at each try."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((host, port), timeout=max(min(left, 2.0), 0.01)).close()
+            return None
+        except OSError as exc:
+            if deadline - time.monotonic() <= 0:
+                return f"{host}:{port}: {exc.strerror or exc}"
+            time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+
+
 def run_in_progress(timeout_s: float) -> JoinStore | None:
     """For a process of rank > 0 before it joins the process group: the rendezvous store and the run record when
     a run is already in progress at MASTER_ADDR:MASTER_PORT (this process was started again for a rank that died),
@@ -601,9 +620,14 @@ def run_in_progress(timeout_s: float) -> JoinStore | None:
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if rank == 0 or not host or not port:
         return None
+    deadline = time.monotonic() + timeout_s
+    why = _knock(host, int(port), deadline)
+    if why is not None:
+        raise NoStore(f"no store answered at {host}:{port} within {timeout_s:g} s ({why})")
     try:
-        raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    except (RuntimeError, ValueError):   # no store: joining the group will say so
+        raw = dist.TCPStore(host, int(port), is_master=False,
+                            timeout=timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+    except (RuntimeError, ValueError):   # the store went again: joining the group will say so
         return None
     if not raw.check([RUN_KEY]) or raw.check([ENDED_KEY]):
         return None
@@ -671,13 +695,9 @@ def resumed_run(timeout_s: float) -> dict[str, Any]:
             raise NoResume(f"rank {rank} got no answer from rank 0 at {host}:{port} within {timeout_s:g} s: a "
                            "resumed run's config and checkpoint come from rank 0, which reads the run directory "
                            f"(is it running? {seen})")
-        try:
-            # Knocked first with a plain socket: torch's client retries a refused connect well past the timeout
-            # it is given, logging a stack trace at each try.
-            socket.create_connection((host, port), timeout=min(left, 2.0)).close()
-        except OSError as exc:
-            seen = f"{host}:{port}: {exc.strerror or exc}"
-            time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+        knocked = _knock(host, port, deadline)
+        if knocked is not None:
+            seen = knocked
             continue
         try:
             store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(left, 10.0)))

@@ -285,6 +285,11 @@ class TraceNetwork(NetworkModel):
     def num_rounds(self) -> int:
         return int(self._up.shape[0])
 
+    @property
+    def packed(self) -> tuple[np.ndarray, np.ndarray]:
+        """The packed up and down rows it replays, as read."""
+        return self._up, self._down
+
     def sample(self, round_: int) -> LinkSample:
         if round_ >= self.num_rounds:
             raise IndexError(f"the replayed trace holds {self.num_rounds} rounds; round {round_} was asked for")
