@@ -21,7 +21,8 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from shaky.config import MAX_SCALE_PERIOD  # no torch: process_settings must come before torch loads
+# (no torch in shaky.config: process_settings must come before torch loads)
+from shaky.config import MACHINE_SETTINGS, MAX_SCALE_PERIOD, first_difference
 from shaky.interrupt import exiting
 from shaky.launch import EXIT_BAD_INPUT, EXIT_DIVERGED  # no torch (the launcher reads them)
 from shaky.progress import say
@@ -241,6 +242,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.backend == "dist":
         return _train_dist(args, setup, run_dir)
     _claim_run_dir(run_dir, resume=bool(args.resume))
+    setup.machines = {0: _read_here(args, setup, run_dir)}
     with _stopping(run_dir, "shaky train"):
         summary = train(setup, run_dir, resume=bool(args.resume), label=cfg.strategy.name,
                         progress=not args.quiet, faults=_faults())
@@ -248,6 +250,32 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _read_here(args: argparse.Namespace, setup: Any, run_dir: Path) -> dict[str, Any]:
+    """A simulator run's machine settings and the digests of what it read (:func:`shaky.setup.inputs_digest`);
+    resumed, its data must be what the run's last start read (BadInput)."""
+    from shaky.config import machine_settings  # noqa: PLC0415
+    from shaky.rundir import read_machines  # noqa: PLC0415
+    from shaky.setup import inputs_digest  # noqa: PLC0415
+
+    here = {"settings": machine_settings(setup.cfg), "inputs": inputs_digest(setup)}
+    try:
+        recorded = read_machines(run_dir).get(0) if args.resume else None
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    _check_as_trained(setup.cfg, here, recorded, f"--resume {run_dir}: its")
+    return here
+
+
+def _check_as_trained(cfg: Any, here: dict[str, Any], recorded: dict[str, Any] | None, who: str) -> None:
+    """A resumed run reads the data (and trace) its last start read (``recorded``; None: not known), else
+    BadInput, its line starting with ``who``."""
+    for name in here["inputs"]:
+        differs = _other_inputs(cfg, here, recorded, name, whose="then") if recorded else None
+        if differs is not None:
+            raise BadInput(f"{who} {differs[0]} than the run was trained on ({differs[1]} at "
+                           f"{_input_path(recorded, name)!r}); a resume goes on with the same data")
 
 
 def _faults() -> Any:
@@ -350,19 +378,21 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
         raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: it uses the "
                        f"{record.get('transport')} transport, on which a failure stops every rank "
                        "(resume it from its checkpoint; --transport udp keeps training through failures)")
-    differs = _first_difference(json.loads(json.dumps(to_dict(cfg))), record["config"])
+    differs = first_difference(json.loads(json.dumps(to_dict(cfg))), record["config"], ignore=MACHINE_SETTINGS)
     if differs is not None:
         name, mine, theirs = differs
         raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: its {name} is {mine!r}, the "
                        f"run's is {theirs!r} (start it with the run's command line)")
+    from shaky.config import machine_settings  # noqa: PLC0415
     from shaky.setup import inputs_digest  # noqa: PLC0415
 
-    for name, digest in inputs_digest(setup).items():
-        if digest != record.get("inputs", {}).get(name, digest):
-            raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: its "
-                                f"{_FIELD_OF.get(name, name)} {_setting(to_dict(cfg), name)!r} holds other "
-                                f"{cfg.data.dataset + ' data' if name == 'data' else 'masks'} than the run's "
-                                f"(sha256 {digest[:12]}, the run's {record['inputs'][name][:12]})")
+    run = {"settings": machine_settings(cfg), "inputs": record.get("inputs", {})}
+    for name in run["inputs"]:
+        differs = _other_inputs(cfg, {"settings": run["settings"], "inputs": inputs_digest(setup)}, run, name,
+                                whose="the run's")
+        if differs is not None:
+            raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: its {differs[0]} than the "
+                                f"run's ({differs[1]})")
     run_dir = Path(record["run_dir"])
     setup.compute_ms = float(record["compute_ms"])
     slots = setup.strategy.exchange.schedule.slots
@@ -400,17 +430,6 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
     return 0
 
 
-def _first_difference(mine: Any, theirs: Any, name: str = "") -> tuple[str, Any, Any] | None:
-    """The first setting (dotted name) whose value differs between two configs' dicts, or None."""
-    if isinstance(mine, dict) and isinstance(theirs, dict):
-        for key in sorted({*mine, *theirs}):
-            found = _first_difference(mine.get(key), theirs.get(key), f"{name}.{key}" if name else key)
-            if found is not None:
-                return found
-        return None
-    return None if mine == theirs else (name, mine, theirs)
-
-
 def _staged(comm: Any, setup: Any) -> Any:
     """On a GPU rank, the host Comm (gloo or udp) behind pinned-memory staging (shaky.comm.staged)."""
     if setup.device.type == "cpu":
@@ -428,6 +447,7 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
                                  udp_comm)
     from shaky.config import to_dict  # noqa: PLC0415
     from shaky.launch import tell_launcher  # noqa: PLC0415
+    from shaky.rundir import read_machines  # noqa: PLC0415
     from shaky.setup import inputs_digest  # noqa: PLC0415
     from shaky.train import train  # noqa: PLC0415
 
@@ -444,7 +464,8 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
             raise BadInput(f"num_workers is {cfg.num_workers} but {_launcher()} started {dist.get_world_size()} "
                            "processes; they must match (one worker per process)")
         inputs = inputs_digest(setup)
-        _check_same_config(cfg, resumed=bool(args.resume), inputs=inputs)
+        recorded = read_machines(run_dir).get(0) if args.resume and dist.get_rank() == 0 else None
+        setup.machines = _check_same_config(cfg, resumed=bool(args.resume), inputs=inputs, recorded=recorded)
         if cfg.dist.transport == "udp":   # a lane for each exchange a delay keeps in flight, and the next one
             slots = setup.strategy.exchange.schedule.slots
             comm = udp_comm(cfg.dist, heartbeat=True, lanes=slots + 1 if slots else 1,
@@ -477,7 +498,8 @@ def _train_dist(args: argparse.Namespace, setup: Any, run_dir: Path) -> int:
         # What a process started again for a dead rank needs (udp takes it back; gloo says it cannot).
         comm.publish_run({"run_dir": resolved, "compute_ms": setup.compute_ms,
                           "config": to_dict(cfg), "transport": cfg.dist.transport, "host": host,
-                          "inputs": inputs})
+                          "inputs": inputs, "machines": {str(rank): machine["settings"]
+                                                         for rank, machine in setup.machines.items()}})
     tell_launcher(resolved, cfg.dist.transport)   # every rank: a launcher without rank 0 learns it too
     try:
         with _stopping(run_dir, _dist_command(), writer=writer):
@@ -531,34 +553,25 @@ def _end_run(comm: Any) -> None:
         pass
 
 
-MACHINE_SETTINGS = ("data.path", "network.trace", "dist.key_file", "dist.ports", "dist.host", "device")
-"""Settings that may differ between the machines of one run: local paths, addresses and devices."""
-
-
-def _check_same_config(cfg: Any, *, resumed: bool, inputs: dict[str, str] | None = None) -> None:
-    """Every rank runs rank 0's config (but :data:`MACHINE_SETTINGS`): each compares its own with rank 0's, sent
-    over the process group, and all learn of any difference (a collective), so that every rank stops alike.
-    In a new run each machine reads its own command line (BadInput, status 2); in a resumed run the ranks > 0
-    took theirs from the rendezvous store, which takes writes from whoever reaches it (ForgedRecord).
+def _check_same_config(cfg: Any, *, resumed: bool, inputs: dict[str, str] | None = None,
+                       recorded: dict[str, Any] | None = None) -> dict[int, Any]:
+    """Every rank runs rank 0's config (but :data:`~shaky.config.MACHINE_SETTINGS`): each compares its own with
+    rank 0's, sent over the process group, and all learn of any difference (a collective), so that every rank
+    stops alike. In a new run each machine reads its own command line (BadInput, status 2); in a resumed run the
+    ranks > 0 took theirs from the rendezvous store, which takes writes from whoever reaches it (ForgedRecord).
 
     ``inputs``: the digests of what this rank read from its own paths (:func:`shaky.setup.inputs_digest`), which
-    must be rank 0's too: two machines whose data.path holds other data would train apart, silently (BadInput)."""
+    must be rank 0's too: two machines whose data.path holds other data would train apart, silently (BadInput).
+    ``recorded`` (rank 0 of a resumed run): what rank 0 read at the run's last start (``machines.json``); its
+    data must be the same now (BadInput). Returns every rank's machine settings and digests, by rank (rank 0
+    records them in the run directory)."""
     from shaky.comm.dist import ForgedRecord, broadcast_object, gather_object  # noqa: PLC0415
-    from shaky.config import to_dict  # noqa: PLC0415
+    from shaky.config import machine_settings, to_dict  # noqa: PLC0415
 
-    def shared(values: dict[str, Any]) -> dict[str, Any]:
-        out = json.loads(json.dumps(values))
-        for name in MACHINE_SETTINGS:
-            *tables, key = name.split(".")
-            table = out
-            for t in tables:
-                table = table.get(t, {})
-            table.pop(key, None)
-        return out
-
-    mine = to_dict(cfg)
-    read = {name: (_setting(mine, name), digest) for name, digest in (inputs or {}).items()}
-    found = gather_object((_first_difference(shared(mine), shared(broadcast_object(mine))), read))
+    mine = json.loads(json.dumps(to_dict(cfg)))
+    machine = {"settings": machine_settings(cfg), "inputs": inputs or {}}
+    rank0_config, recorded = broadcast_object((mine, recorded))
+    found = gather_object((first_difference(mine, rank0_config, ignore=MACHINE_SETTINGS), machine))
     rank, differs = next(((r, d) for r, (d, _) in enumerate(found) if d is not None), (None, None))
     if differs is not None:
         name, got, theirs = differs
@@ -567,29 +580,41 @@ def _check_same_config(cfg: Any, *, resumed: bool, inputs: dict[str, str] | None
                                f"{name} is {got!r}, rank 0's {theirs!r}): something outside the run wrote it")
         raise BadInput(f"rank {rank}'s {name} is {got!r}, rank 0's is {theirs!r}: every machine must run the same "
                        f"command line (only {', '.join(MACHINE_SETTINGS)} may differ)")
+    rank0 = found[0][1]
+    _check_as_trained(cfg, rank0, recorded, "--resume: rank 0's")
     for rank, (_, theirs) in enumerate(found):
-        for name, (path, digest) in theirs.items():
-            path0, digest0 = found[0][1].get(name, ("", ""))
-            if digest == digest0:
+        for name in theirs["inputs"]:
+            differs = _other_inputs(cfg, theirs, rank0, name, whose="rank 0's")
+            if differs is None:
                 continue
-            what = f"{cfg.data.dataset} data" if name == "data" else "masks"
-            sums = f"sha256 {digest[:12]}, rank 0's {digest0[:12]}"
-            if name == "data" and not path and not path0:
-                raise BadInput(f"rank {rank} loads other {what} than rank 0 ({sums}: another version of the library "
-                               "that ships it?); every machine must train on the same data")
-            raise BadInput(f"rank {rank}'s {_FIELD_OF.get(name, name)} {path!r} holds other {what} than rank 0's "
-                           f"{path0!r} ({sums}); every machine must read the same {'data' if name == 'data' else 'trace'}")
+            what, sums = differs
+            if name == "data" and not theirs["settings"]["data.path"] and not rank0["settings"]["data.path"]:
+                raise BadInput(f"rank {rank} loads other {cfg.data.dataset} data than rank 0 ({sums}: another "
+                               "version of the library that ships it?); every machine must train on the same data")
+            raise BadInput(f"rank {rank}'s {what} than rank 0's {_input_path(rank0, name)!r} ({sums}); every machine "
+                           f"must read the same {'data' if name == 'data' else 'trace'}")
+    return {rank: theirs for rank, (_, theirs) in enumerate(found)}
 
 
-_FIELD_OF = {"data": "data.path"}
+_INPUT_SETTING = {"data": "data.path", "network.trace": "network.trace"}
 """The setting that names the file behind each of :func:`shaky.setup.inputs_digest`'s digests."""
 
 
-def _setting(values: dict[str, Any], name: str) -> Any:
-    """``values``' setting ``name`` (dotted: data.path), or '' where it has none."""
-    for key in _FIELD_OF.get(name, name).split("."):
-        values = values.get(key, {}) if isinstance(values, dict) else {}
-    return values if values != {} else ""
+def _input_path(machine: dict[str, Any], name: str) -> str:
+    return str(machine["settings"].get(_INPUT_SETTING[name], ""))
+
+
+def _other_inputs(cfg: Any, machine: dict[str, Any], reference: dict[str, Any], name: str, *,
+                  whose: str) -> tuple[str, str] | None:
+    """Where ``machine`` read other ``name`` (data, a trace) than ``reference`` did (each ``{"settings",
+    "inputs"}``): ("data.path '...' holds other text data", "sha256 ..., <whose> ..."); None where they agree or
+    ``reference`` has no digest of it."""
+    digest, theirs = machine["inputs"].get(name), reference["inputs"].get(name)
+    if digest is None or theirs is None or digest == theirs:
+        return None
+    what = f"{cfg.data.dataset} data" if name == "data" else "masks"
+    return (f"{_INPUT_SETTING[name]} {_input_path(machine, name)!r} holds other {what}",
+            f"sha256 {digest[:12]}, {whose} {theirs[:12]}")
 
 
 def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
@@ -597,19 +622,54 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
     from shaky.train import load_run_config, new_run_dir  # noqa: PLC0415
 
     if args.resume:
-        given = [n for n in (*_FLAGS, "config", "out") if getattr(args, n) is not None] + (["set"] if args.set else [])
+        given = [n for n in (*_FLAGS, "config", "out") if getattr(args, n) is not None and n not in _MACHINE_FLAGS]
         if given:
-            raise BadInput(f"--resume continues with the run's saved config; drop --{given[0].replace('_', '-')}")
+            raise BadInput(f"--resume continues with the run's saved config; drop --{given[0].replace('_', '-')} "
+                           f"(only a machine's own settings may be given: {', '.join(_RESUME_FLAGS)})")
+        own = _machine_overrides(args)
         rank, run_dir = _job_rank(), Path(args.resume)
         if rank and (_launcher() == "shaky launch" or not _simulator_run(run_dir)):
-            return _resumed_from_rank_0()
+            return _resumed_from_rank_0(own)
         if rank == 0:
-            return _hand_out_resume(run_dir), run_dir
-        cfg = load_run_config(run_dir)
+            return _hand_out_resume(run_dir, own), run_dir
+        try:
+            cfg = _with_own(load_run_config(run_dir), own)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
     else:
         cfg = config_from_dict(_absolute_paths(_config_values(args)))
         run_dir = Path(args.out) if args.out else new_run_dir(_default_out(cfg))
     return cfg, run_dir
+
+
+_MACHINE_FLAGS = {name: key for name, (key, _, _) in _FLAGS.items() if key in MACHINE_SETTINGS}
+"""The flags of a machine's own settings: they may be given with --resume (the data moved, another device)."""
+_RESUME_FLAGS = [f"--{name.replace('_', '-')}" for name in _MACHINE_FLAGS] + [
+    f"--set {key}=" for key in MACHINE_SETTINGS if key not in _MACHINE_FLAGS.values()]
+
+
+def _machine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The machine settings that a resumed run's command line gives (--data-path, --set dist.host=..., ...)."""
+    from shaky.config import parse_value  # noqa: PLC0415
+
+    own = {key: getattr(args, name) for name, key in _MACHINE_FLAGS.items() if getattr(args, name) is not None}
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        if not sep or key.strip() not in MACHINE_SETTINGS:
+            raise BadInput(f"--resume continues with the run's saved config; drop --set {item} (only a machine's own "
+                           f"settings may be given: {', '.join(_RESUME_FLAGS)})")
+        own[key.strip()] = parse_value(text.strip())
+    for key in ("data.path", "network.trace"):      # absolute, as a new run's (_absolute_paths)
+        if isinstance(own.get(key), str) and own[key]:
+            own[key] = str(Path(own[key]).resolve())
+    return own
+
+
+def _with_own(cfg: Any, own: dict[str, Any]) -> Any:
+    """``cfg`` with this machine's settings ``own`` (ValueError where the result is not a valid config)."""
+    from shaky.config import with_settings  # noqa: PLC0415
+
+    return with_settings(cfg, own) if own else cfg
 
 
 def _job_rank() -> int | None:
@@ -622,18 +682,22 @@ def _job_rank() -> int | None:
         return None
 
 
-def _hand_out_resume(run_dir: Path) -> Any:
+def _hand_out_resume(run_dir: Path, own: dict[str, Any]) -> Any:
     """Rank 0 of a resumed run reads its config from the run directory and hands it, with the directory, to the
     other ranks through the rendezvous store before the process group forms: their machines need no copy of the
     directory (the checkpoint follows over the group, ``shaky.train``). Bad input goes to them too, so that every
-    rank stops at once with status 2 (rank 0 says why)."""
+    rank stops at once with status 2 (rank 0 says why). ``own``: rank 0's machine settings given anew; each
+    other rank gets its own as the run's last start recorded them (``machines.json``), and may give its own
+    anew too (:func:`_resumed_from_rank_0`)."""
     from shaky.comm.dist import hand_out_resume  # noqa: PLC0415
     from shaky.config import to_dict  # noqa: PLC0415
+    from shaky.rundir import read_machines  # noqa: PLC0415
     from shaky.train import load_run_config  # noqa: PLC0415
 
     try:
         try:
-            cfg = load_run_config(run_dir)
+            cfg = _with_own(load_run_config(run_dir), own)
+            machines = {str(rank): machine["settings"] for rank, machine in read_machines(run_dir).items() if rank}
         except (ValueError, TypeError) as exc:
             raise BadInput(str(exc)) from None
         if cfg.backend != "dist" and _launcher() == "shaky launch":
@@ -649,7 +713,8 @@ def _hand_out_resume(run_dir: Path) -> Any:
         return cfg
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         try:
-            hand_out_resume({"config": to_dict(cfg), "run_dir": str(run_dir.resolve())}, cfg.dist_timeout_s)
+            hand_out_resume({"config": to_dict(cfg), "run_dir": str(run_dir.resolve()), "machines": machines},
+                            cfg.dist_timeout_s)
         except RuntimeError as exc:     # DistNetworkError: the port is taken, the address is not this machine's
             raise Stop(f"error: rank 0 cannot open the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
                        f"{os.environ.get('MASTER_PORT')}: {' '.join(str(exc).split())[:100]}", 3) from None
@@ -674,8 +739,9 @@ def _simulator_run(run_dir: Path) -> bool:
         return False
 
 
-def _resumed_from_rank_0() -> tuple[Any, Path]:
-    """A rank > 0 of a resumed run: the config and directory rank 0 handed out (:func:`_hand_out_resume`)."""
+def _resumed_from_rank_0(own: dict[str, Any]) -> tuple[Any, Path]:
+    """A rank > 0 of a resumed run: the config and directory rank 0 handed out (:func:`_hand_out_resume`), with
+    this rank's machine settings as the run's last start recorded them, and then ``own``, given anew."""
     from shaky.comm.dist import NoResume, resumed_run  # noqa: PLC0415
     from shaky.config import DIST_TIMEOUT_S, config_from_dict  # noqa: PLC0415
 
@@ -685,7 +751,11 @@ def _resumed_from_rank_0() -> tuple[Any, Path]:
         raise Stop(f"error: {exc}", 3) from None
     if "error" in answer:
         raise BadInput(answer["error"])     # rank 0 says it
-    return config_from_dict(answer["config"]), Path(answer["run_dir"])
+    recorded = answer.get("machines", {}).get(os.environ.get("RANK", ""), {})
+    try:    # (what the store holds is checked against rank 0's own config once the group forms)
+        return _with_own(config_from_dict(answer["config"]), {**recorded, **own}), Path(answer["run_dir"])
+    except (ValueError, TypeError) as exc:
+        raise BadInput(str(exc)) from None
 
 
 def _check_out(args: argparse.Namespace) -> None:

@@ -689,3 +689,44 @@ def replace(cfg: RunConfig, **changes: Any) -> RunConfig:
     for key, value in changes.items():
         set_dotted(values, key.replace("__", "."), to_dict(value) if dataclasses.is_dataclass(value) else value)
     return config_from_dict(values)
+
+
+MACHINE_SETTINGS = ("data.path", "network.trace", "dist.key_file", "dist.ports", "dist.host", "device")
+"""Settings of a machine's own, not of the run: local paths, addresses and the device. They may differ between
+the machines of one run, and between a run and its resume (data moved, another GPU); what the paths hold may not
+(``shaky.setup.inputs_digest`` is compared instead)."""
+
+
+def first_difference(mine: Any, theirs: Any, *, ignore: tuple[str, ...] = (),
+                     name: str = "") -> tuple[str, Any, Any] | None:
+    """The first setting (dotted name, in sorted order) whose value differs between two configs' dicts, with
+    both values, or None; settings named in ``ignore`` are not compared."""
+    if name in ignore:
+        return None
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for key in sorted({*mine, *theirs}):
+            found = first_difference(mine.get(key), theirs.get(key), ignore=ignore,
+                                     name=f"{name}.{key}" if name else key)
+            if found is not None:
+                return found
+        return None
+    return None if mine == theirs else (name, mine, theirs)
+
+
+def machine_settings(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg``'s :data:`MACHINE_SETTINGS`, by dotted name."""
+    out = {}
+    for name in MACHINE_SETTINGS:
+        value: Any = cfg
+        for part in name.split("."):
+            value = getattr(value, part)
+        out[name] = to_dict(value) if isinstance(value, tuple) else value
+    return out
+
+
+def with_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
+    """``cfg`` with the dotted ``settings`` set (checked as any config is: ValueError)."""
+    values = to_dict(cfg)
+    for name, value in settings.items():
+        set_dotted(values, name, value)
+    return config_from_dict(values)

@@ -192,8 +192,9 @@ def group_restart_decision(statuses: dict[int, int], *, restarts_used: int, max_
 
 def resume_args(args: Sequence[str], run_dir: str) -> list[str]:
     """The ranks' arguments that go on with the run in ``run_dir`` from its last checkpoint: ``--resume`` (the
-    saved config says the rest), and ``--quiet`` if it was given."""
-    return ["--resume", run_dir, *(["--quiet"] if "--quiet" in args else [])]
+    saved config says the rest; each rank's machine settings are in the run's machines.json), and ``--quiet``
+    if it was given (argparse takes an abbreviation of it too)."""
+    return ["--resume", run_dir, *(["--quiet"] if any(len(a) > 2 and "--quiet".startswith(a) for a in args) else [])]
 
 
 def tell_launcher(run_dir: str | None, transport: str | None, *, stopped: bool = False) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shaky.config import RunConfig, config_from_dict, load_toml, to_dict, to_toml
+from shaky.config import MACHINE_SETTINGS, RunConfig, config_from_dict, first_difference, load_toml, to_dict, to_toml
 
 CONFIG_FILE = "config.toml"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -29,8 +29,11 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 SHARDS_FILE = "shards.json"
 TRACE_FILE = "trace.npz"
+MACHINES_FILE = "machines.json"
+"""What each rank read on its own machine: its machine settings (``shaky.config.MACHINE_SETTINGS``) and the
+digests of its data and trace (``shaky.setup.inputs_digest``), by rank, as of the run's latest start."""
 RUN_FILES = frozenset(n + t for n in (CONFIG_FILE, SHARDS_FILE, METRICS_FILE, SUMMARY_FILE, CHECKPOINT_FILE,
-                                      TRACE_FILE) for t in ("", ".tmp"))
+                                      TRACE_FILE, MACHINES_FILE) for t in ("", ".tmp"))
 """Every file a run writes (and its temporary twin while it is being written)."""
 
 
@@ -118,8 +121,10 @@ def release_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def create(run_dir: Path, cfg: RunConfig, shards: list[dict[str, Any]], *, again: bool = False) -> None:
-    """A fresh run directory with the resolved config, the shard description and empty metrics.
+def create(run_dir: Path, cfg: RunConfig, shards: list[dict[str, Any]], *, again: bool = False,
+           machines: dict[int, Any] | None = None) -> None:
+    """A fresh run directory with the resolved config, the shard description and empty metrics (and
+    ``machines``: :data:`MACHINES_FILE`).
 
     ``again``: the directory holds this run's files but no checkpoint (it was stopped before its first):
     they are written anew. If a write fails (no space, read-only) the files written so far are removed,
@@ -131,7 +136,8 @@ def create(run_dir: Path, cfg: RunConfig, shards: list[dict[str, Any]], *, again
     written = []
     try:
         # config.toml first: a process killed in between leaves a directory that --resume starts again.
-        for name, text in ((CONFIG_FILE, to_toml(cfg)), (SHARDS_FILE, json.dumps(shards)), (METRICS_FILE, "")):
+        for name, text in ((CONFIG_FILE, to_toml(cfg)), (SHARDS_FILE, json.dumps(shards)), (METRICS_FILE, ""),
+                           *([(MACHINES_FILE, _machines_text(machines))] if machines else [])):
             atomic_write(run_dir / name, lambda f, text=text: f.write(text))
             written.append(run_dir / name)
     except BaseException:
@@ -139,6 +145,37 @@ def create(run_dir: Path, cfg: RunConfig, shards: list[dict[str, Any]], *, again
             for path in written:
                 path.unlink(missing_ok=True)
         raise
+
+
+def _machines_text(machines: dict[int, Any]) -> str:
+    return json.dumps({str(rank): value for rank, value in sorted(machines.items())}, indent=1, sort_keys=True)
+
+
+def record_start(run_dir: Path, cfg: RunConfig, machines: dict[int, Any] | None) -> None:
+    """A resumed run's start: ``machines`` (:data:`MACHINES_FILE`), and config.toml anew where a machine
+    setting changed (the data moved, another device): the next resume reads them."""
+    if machines:
+        atomic_write(run_dir / MACHINES_FILE, lambda f: f.write(_machines_text(machines)))
+    if to_dict(load_run_config_file(run_dir)) != to_dict(cfg):
+        atomic_write(run_dir / CONFIG_FILE, lambda f: f.write(to_toml(cfg)))
+
+
+def read_machines(run_dir: Path) -> dict[int, Any]:
+    """:data:`MACHINES_FILE` by rank; empty where the run has none (one started before shaky wrote it)."""
+    path = Path(run_dir) / MACHINES_FILE
+    if not path.exists():
+        return {}
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+        return {int(rank): {"settings": dict(v["settings"]), "inputs": dict(v["inputs"])} for rank, v in values.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:80]}"
+        raise ValueError(f"resume: {path} is damaged ({why})") from None
+
+
+def load_run_config_file(run_dir: str | Path) -> RunConfig:
+    """config.toml of ``run_dir`` as it is, unchecked."""
+    return config_from_dict(load_toml(Path(run_dir) / CONFIG_FILE))
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
@@ -162,7 +199,7 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
     saved = ckpt.get("config")
     if not isinstance(saved, dict):
         raise ValueError(f"resume: {d / CHECKPOINT_FILE} holds no config to check {CONFIG_FILE} against")
-    changed = _first_difference(to_dict(cfg), saved)
+    changed = first_difference(to_dict(cfg), saved, ignore=MACHINE_SETTINGS)   # a machine's own may change
     if changed is not None:
         key, now, then = changed
         raise ValueError(f"resume: {d / CONFIG_FILE} sets {key} = {now!r} but the checkpoint was trained with "
@@ -185,17 +222,6 @@ def _check_metrics(run_dir: Path, cfg: RunConfig, ckpt: dict[str, Any]) -> None:
     if missing:
         raise ValueError(f"{run_dir / METRICS_FILE}: the evaluation at step {missing[0]} is missing, but the "
                          f"checkpoint is at step {step} (the file is damaged); nothing was resumed")
-
-
-def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
-    """The first dotted key at which two nested dicts differ, with both values (None if equal)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in [*a, *(k for k in b if k not in a)]:
-            found = _first_difference(a.get(key), b.get(key), f"{prefix}{key}.")
-            if found is not None:
-                return found
-        return None
-    return None if a == b else (prefix.rstrip("."), a, b)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -48,6 +48,9 @@ class Setup:
     device: torch.device
     grad_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     forward_fn: Callable[..., torch.Tensor] = field(repr=False)
+    machines: dict[int, Any] = field(default_factory=dict, repr=False)
+    """What each rank read on its own machine (settings, digests), by rank, for the run directory
+    (``shaky.rundir.MACHINES_FILE``); the CLI fills it in."""
 
 
 def cache_dir() -> Path:

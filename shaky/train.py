@@ -31,7 +31,8 @@ from shaky.network.faults import FailureSchedule, Membership, Round
 from shaky.network.model import LinkSample, MaskLog, TraceNetwork, load_trace, save_trace
 from shaky.progress import Progress
 from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, append_metrics, create, load_checkpoint,
-                          load_run_config, new_run_dir, read_metrics, save_checkpoint, truncate_metrics)
+                          load_run_config, new_run_dir, read_metrics, record_start, save_checkpoint,
+                          truncate_metrics)
 from shaky.sampler import BatchSampler
 from shaky.setup import Setup, evaluate, prepare, start_gradient_diversity
 from shaky.strategies import AverageModels, Strategy, sample_weights
@@ -319,6 +320,7 @@ def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: _Masks,
         masks.log.restore(found["masks"])
         if writer:
             truncate_metrics(run_dir, counters.step)
+            record_start(run_dir, cfg, setup.machines)
         device = setup.device
         return (found["params"][rows].to(device), map_rows(found["state"], lambda t: t[rows].to(device)), counters,
                 found["last"])
@@ -327,7 +329,7 @@ def _start(setup: Setup, run_dir: Path, comm: Comm, clock: Clock, masks: _Masks,
         shards = shard_summary(setup.shards, setup.data.y_train.cpu().numpy(), setup.data.num_classes)
         for entry, shard in zip(shards, setup.shards):
             entry["indices"] = [int(i) for i in shard]
-        create(run_dir, cfg, shards, again=resume)  # resume without a checkpoint: the run starts again
+        create(run_dir, cfg, shards, again=resume, machines=setup.machines)  # resume without a checkpoint: anew
     return params, setup.strategy.init(params), Counters(), None
 
 

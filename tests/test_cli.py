@@ -24,11 +24,13 @@ import torch
 
 from shaky.cli import DEMO_RUNS, main
 from shaky.config import config_from_dict, load_toml
+from shaky.inject import InterruptedRun
 from shaky.rundir import load_checkpoint
 
 SUMMARY_KEYS = ("final_test_accuracy", "final_test_loss", "final_train_loss", "consensus_distance",
                 "bytes_sent", "messages_dropped", "sim_time_s", "wall_time_s", "steps")
-RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "shards.json", "checkpoint.pt", "trace.npz")
+RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "shards.json", "checkpoint.pt", "trace.npz",
+             "machines.json")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -464,7 +466,55 @@ def test_resume_with_extra_flag(finished_run: tuple[Path, int, str], cwd: Path,
     before = _snapshot(d)
     msg = bad_input(["train", "--resume", str(d), *extra], capsys, cwd)
     flag = extra[0]
-    assert msg.startswith("shaky: error: --resume") and msg.endswith(f"drop {flag}"), msg
+    assert msg.startswith("shaky: error: --resume") and f"; drop {flag}" in msg, msg
+    assert msg.endswith("(only a machine's own settings may be given: --data-path, --replay-trace, --device, "
+                        "--key-file, --set dist.ports=, --set dist.host=)"), msg
+    assert _snapshot(d) == before
+
+
+def test_a_resume_may_move_the_data_but_not_change_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """--data-path may be given with --resume (the data moved): the run goes on from its checkpoint to the
+    uninterrupted run's bits, and config.toml names the new path for the next resume. A path that holds other
+    data stops the resume with one line (status 2), and nothing is written."""
+    from test_train import write_text_set
+
+    data = write_text_set(tmp_path / "data.tsv")
+    moved, other = tmp_path / "moved.tsv", tmp_path / "other.tsv"
+    shutil.copy(data, moved)
+    other.write_text(data.read_text().replace("\n", "\nneg\tan extra line\n", 1))
+    args = ["train", "--dataset", "text", "--model", "lstm", "--batch-size", "8", "--workers", "2", "--steps", "20",
+            "--eval-every", "10", "--checkpoint-every", "10", "--set", "model.hidden=16", "--set", "data.max_len=8",
+            "--quiet", "--data-path", str(data)]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    monkeypatch.setenv("SHAKY_INJECT_FAULT", "stop:0:15")
+    with pytest.raises(InterruptedRun):     # as a killed process: the checkpoint of step 10 is the last
+        main([*args, "--out", str(tmp_path / "run")])
+    monkeypatch.delenv("SHAKY_INJECT_FAULT")
+    run = tmp_path / "run"
+    capsys.readouterr()
+    before = _snapshot(run)
+    assert main(["train", "--resume", str(run), "--data-path", str(other), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shaky: error: --resume {run}: its data.path '{other}' holds other text data than the run "
+                          f"was trained on (sha256 "), err
+    assert err.endswith(f" at '{data}'); a resume goes on with the same data\n"), err
+    assert _snapshot(run) == before
+    assert main(["train", "--resume", str(run), "--data-path", str(moved), "--quiet"]) == 0
+    assert torch.equal(load_checkpoint(run)["params"], load_checkpoint(tmp_path / "whole")["params"])
+    assert config_from_dict(load_toml(run / "config.toml")).data.path == str(moved)
+    assert json.loads((run / "machines.json").read_text())["0"]["settings"]["data.path"] == str(moved)
+
+
+def test_resume_with_a_damaged_machines_file_stops_with_one_line(finished_run: tuple[Path, int, str], tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "copy"
+    shutil.copytree(finished_run[0], d)
+    (d / "machines.json").write_text('{"0": {"settings": 1}}')
+    before = _snapshot(d)
+    assert main(["train", "--resume", str(d), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"shaky: error: resume: {d / 'machines.json'} is damaged (TypeError: " \
+                                      "'int' object is not iterable)\n"
     assert _snapshot(d) == before
 
 

@@ -58,7 +58,7 @@ def test_a_signal_stops_a_run_with_a_checkpoint_and_the_resume_ends_identical(si
     assert last.startswith(f"shaky: stopped by {name} after step "), err
     assert "`shaky train --resume run` continues from there" in last
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
-        "checkpoint.pt", "config.toml", "metrics.jsonl", "shards.json", "trace.npz"]
+        "checkpoint.pt", "config.toml", "machines.json", "metrics.jsonl", "shards.json", "trace.npz"]
     step = int(last.split("after step ")[1].split()[0])
     assert 0 < step < 1500
 

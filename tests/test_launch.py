@@ -340,6 +340,28 @@ def test_over_two_machines_each_launcher_starts_its_ranks_again_and_the_run_ends
 
 
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
+def test_over_two_machines_each_resumes_with_its_own_data_path(tmp_path: Path) -> None:
+    """The same command line on both machines names a data file by a relative path, so each machine's data.path
+    is its own (tmp_path/a/data.tsv, tmp_path/b/data.tsv: the second machine cannot see the first's). Rank 3 dies
+    at step 30 and both launchers start their ranks again with --resume alone: the second machine's ranks read
+    their own file again (recorded in machines.json at the run's start), not rank 0's, and the run ends."""
+    from test_train import write_text_set
+
+    for machine in ("a", "b"):
+        (tmp_path / machine).mkdir()
+        write_text_set(tmp_path / machine / "data.tsv")
+    args = [*GLOO_RUN, "--dataset", "text", "--model", "lstm", "--batch-size", "8", "--set", "model.hidden=16",
+            "--set", "data.max_len=8", "--data-path", "data.tsv", "--out", "run"]
+    (code0, err0), (code1, err1) = _two_machines(tmp_path, args, "kill:3:30", restarts=1)
+    assert (code0, code1) == (0, 0), (err0, err1)
+    assert "starting the ranks here again from its last checkpoint" in err1, err1
+    machines = json.loads((tmp_path / "a" / "run" / "machines.json").read_text())
+    assert [machines[r]["settings"]["data.path"] for r in "0123"] == [str(tmp_path / m / "data.tsv") for m in "aabb"]
+    assert len({m["inputs"]["data"] for m in machines.values()}) == 1, machines
+    assert json.loads((tmp_path / "a" / "run" / "summary.json").read_text())["steps"] == 60
+
+
+@pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
 def test_over_two_machines_a_dead_rank_0_stops_a_udp_run_and_both_launchers_resume_it(tmp_path: Path) -> None:
     """udp, --max-restarts 1: rank 0 gets SIGKILL at step 40; the second machine's ranks stop with the run (not
     started again alone: there is no run to rejoin), and each launcher starts its ranks again from the step-40
@@ -415,8 +437,8 @@ def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: 
     ours = RunConfig(backend="dist", num_workers=2)
     rank0 = json.loads(json.dumps(to_dict(ours)))
     rank0["optim"]["lr"] = 0.5
-    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: rank0)
-    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, {}), value])     # as rank 1 of 2
+    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: (rank0, None))
+    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, value[1]), value])     # as rank 1 of 2
     with pytest.raises(shaky_dist.ForgedRecord, match=r"rank 1: .*\(its optim\.lr is 0\.1, rank 0's 0\.5\)"):
         cli._check_same_config(ours, resumed=True)
     rank0["optim"]["lr"], rank0["dist"]["host"], rank0["data"]["path"] = 0.1, "10.0.0.1", "/elsewhere/data.npz"
@@ -429,7 +451,7 @@ def test_a_machine_whose_data_is_not_rank_0_s_stops_every_rank(monkeypatch: pyte
     setting and both paths; the same data under another path trains."""
     from shaky import cli
     from shaky.comm import dist as shaky_dist
-    from shaky.config import DataConfig, ModelConfig, RunConfig, to_dict
+    from shaky.config import DataConfig, ModelConfig, RunConfig, machine_settings, to_dict
 
     plain = RunConfig(backend="dist", num_workers=2)
     ours = dataclasses.replace(plain, data=DataConfig(dataset="text", path="/here/data.txt"),
@@ -437,24 +459,31 @@ def test_a_machine_whose_data_is_not_rank_0_s_stops_every_rank(monkeypatch: pyte
     rank0 = json.loads(json.dumps(to_dict(ours)))
     rank0["data"]["path"] = "/there/data.txt"
     digests = {"data": "ab" * 32}
-    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: rank0)
-    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, {"data": ("/there/data.txt", "cd" * 32)}),
-                                                                      value])
+    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: (rank0, None))
+
+    def rank0_read(data: tuple[str, str], trace: tuple[str, str] | None = None) -> None:
+        """rank 0's data (path, digest) and trace, as rank 1 of 2 gathers them"""
+        settings = {"data.path": data[0], "network.trace": trace[0] if trace else ""}
+        inputs = {"data": data[1], **({"network.trace": trace[1]} if trace else {})}
+        monkeypatch.setattr(shaky_dist, "gather_object",
+                            lambda value: [(None, {"settings": settings, "inputs": inputs}), value])
+
+    rank0_read(("/there/data.txt", "cd" * 32))
     with pytest.raises(cli.BadInput, match=(r"^rank 1's data.path '/here/data.txt' holds other text data than rank "
                                             r"0's '/there/data.txt' \(sha256 abababababab, rank 0's cdcdcdcdcdcd\)")):
         cli._check_same_config(ours, resumed=False, inputs=digests)
+    rank0_read(("/there/data.txt", "ab" * 32), ("t0.npz", "00" * 32))
     with pytest.raises(cli.BadInput, match=r"rank 1's network.trace 't1.npz' holds other masks than rank 0's 't0.npz'"):
-        monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [
-            (None, {"data": ("/there/data.txt", "ab" * 32), "network.trace": ("t0.npz", "00" * 32)}),
-            (None, {"data": ("/here/data.txt", "ab" * 32), "network.trace": ("t1.npz", "11" * 32)})])
-        cli._check_same_config(ours, resumed=False, inputs=digests)
+        cli._check_same_config(dataclasses.replace(ours, network=dataclasses.replace(ours.network, trace="t1.npz")),
+                               resumed=False, inputs={**digests, "network.trace": "11" * 32})
     ours = plain
-    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: json.loads(json.dumps(to_dict(plain))))
-    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, {"data": ("", "cd" * 32)}), value])
+    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: (json.loads(json.dumps(to_dict(plain))), None))
+    rank0_read(("", "cd" * 32))
     with pytest.raises(cli.BadInput, match=r"^rank 1 loads other digits data than rank 0 \(sha256 abababababab, "):
         cli._check_same_config(ours, resumed=True, inputs=digests)   # the machine's data, not a forged record
-    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, {"data": ("/there", "ab" * 32)}), value])
-    cli._check_same_config(ours, resumed=False, inputs=digests)      # the same data, wherever it lies
+    rank0_read(("/there", "ab" * 32))
+    machines = cli._check_same_config(ours, resumed=False, inputs=digests)    # the same data, wherever it lies
+    assert machines[1] == {"settings": machine_settings(ours), "inputs": digests}, machines
 
 
 def test_a_rank_with_other_data_is_not_taken_back(tmp_path: Path) -> None:
@@ -654,6 +683,7 @@ def test_every_rank_goes_on_with_resume_and_quiet_only() -> None:
     assert resume_args(["--workers", "2", "--out", "runs/x", "--quiet", "--backend", "dist"], "/abs/x") == [
         "--resume", "/abs/x", "--quiet"]
     assert resume_args(["--resume", "runs/x"], "/abs/x") == ["--resume", "/abs/x"]
+    assert resume_args(["--qui", "--workers", "2"], "/abs/x") == ["--resume", "/abs/x", "--quiet"]   # argparse's
 
 
 def test_the_ranks_are_numbered_as_torchrun_numbers_them() -> None:

@@ -711,7 +711,8 @@ def resumed_run(timeout_s: float) -> dict[str, Any]:
                 elif store.check([RUN_KEY]):
                     record = json.loads(store.get(RUN_KEY).decode())
                     if record.get("transport") == "udp":
-                        answer = {"config": record["config"], "run_dir": record["run_dir"]}
+                        answer = {"config": record["config"], "run_dir": record["run_dir"],
+                                  "machines": record.get("machines", {})}
                         break
                     seen = "the store there is a gloo run's, which takes no rank back"
                 time.sleep(0.05)
