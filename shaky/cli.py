@@ -131,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="rank 0's machine (default 127.0.0.1)")
     launch.add_argument("--master-port", type=int, default=0, metavar="PORT",
                         help="the rendezvous store's port (default: a free one; required with --nnodes > 1)")
+    launch.add_argument("--log-dir", metavar="DIR",
+                        help="also append each rank's output (stdout and stderr) to DIR/rank-R.log, each process "
+                        "it is started as behind a header line (created if missing)")
     launch.add_argument("train_args", nargs=argparse.REMAINDER, metavar="train ...",
                         help="train, then shaky train's arguments")
 
@@ -1065,9 +1068,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
                            master_addr=args.master_addr, master_port=args.master_port,
                            max_restarts=args.max_restarts)
         train_args = train_command(args.train_args)
+        launcher = Launcher(cfg, train_args, log_dir=args.log_dir)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
-    return Launcher(cfg, train_args).run()
+    return launcher.run()
 
 
 def process_settings(*, shared_cores: bool = False) -> None:

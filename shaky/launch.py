@@ -39,6 +39,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -247,11 +248,89 @@ def _die_with_parent() -> None:
         pass
 
 
+LOG_JOIN_S = 5.0
+"""How long the launcher waits, once a rank's process has ended, for the rest of its output to be passed on."""
+
+
+class RankLogs:
+    """``shaky launch --log-dir DIR``: each rank's output, stdout and stderr alike, appended to ``DIR/rank-R.log``
+    as well as passed on to the launcher's own (a tee, as ``torchrun --log-dir --tee 3``), each process the
+    rank is started as behind a header line. The files are opened before any rank starts (a folder that cannot
+    hold them is bad input, ValueError); a file that can no longer be written (a full disk) is said once, and
+    that rank's output then goes on to the terminal only: a log never stops a run."""
+
+    def __init__(self, folder: str | Path, ranks: Sequence[int], say: Callable[[str], None]) -> None:
+        folder = Path(folder)
+        self.say = say
+        self.files: dict[int, Any] = {}
+        self.lock = threading.Lock()
+        self.pumps: dict[int, list[threading.Thread]] = {}
+        made = []
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for rank in ranks:
+                path = folder / f"rank-{rank}.log"
+                if not path.exists():
+                    made.append(path)
+                self.files[rank] = open(path, "ab", buffering=0)  # noqa: SIM115
+        except OSError as exc:
+            self.close()
+            for path in made:   # nothing left behind by a launcher that started nothing
+                path.unlink(missing_ok=True)
+            raise ValueError(f"log-dir {str(folder)!r} cannot hold the ranks' logs: {exc.strerror or exc}"
+                             + (f" ({exc.filename})" if exc.filename else "")) from None
+
+    def follow(self, rank: int, proc: subprocess.Popen[bytes], header: str) -> None:
+        """Passes on ``proc``'s output (started with stdout and stderr piped) from now on, after ``header``."""
+        self._to_file(rank, f"{header}\n".encode())
+        self.pumps[rank] = [threading.Thread(target=self._pump, args=(rank, stream, fd), daemon=True)
+                            for stream, fd in ((proc.stdout, 1), (proc.stderr, 2))]
+        for thread in self.pumps[rank]:
+            thread.start()
+
+    def drain(self, rank: int) -> None:
+        """The rank's process has ended: waits (at most :data:`LOG_JOIN_S`) for the rest of its output."""
+        for thread in self.pumps.pop(rank, []):
+            thread.join(LOG_JOIN_S)
+
+    def close(self) -> None:
+        for rank in list(self.pumps):
+            self.drain(rank)
+        for f in self.files.values():
+            f.close()
+
+    def _pump(self, rank: int, stream: Any, fd: int) -> None:
+        try:
+            while chunk := stream.read1(65536):
+                try:
+                    os.write(fd, chunk)     # one write per chunk: a rank's whole lines stay whole on the terminal
+                except OSError:
+                    pass                    # the launcher's own output is closed: the log still gets it
+                self._to_file(rank, chunk)
+        except (OSError, ValueError):
+            pass
+        finally:
+            stream.close()
+
+    def _to_file(self, rank: int, data: bytes) -> None:
+        with self.lock:
+            f = self.files.get(rank)
+            if f is None:
+                return
+            try:
+                f.write(data)
+            except OSError as exc:
+                del self.files[rank]
+                f.close()
+                self.say(f"cannot write {f.name}: {exc.strerror or exc}; rank {rank}'s output goes on to this "
+                         "terminal only")
+
+
 class Launcher:
     """Starts this machine's ranks of ``shaky train args`` and watches them until every one has ended."""
 
     def __init__(self, cfg: LaunchConfig, args: Sequence[str], *, env: dict[str, str] | None = None,
-                 say: Callable[[str], None] | None = None) -> None:
+                 say: Callable[[str], None] | None = None, log_dir: str | Path | None = None) -> None:
         self.cfg = cfg
         self.args = list(args)
         self.command = " ".join(["shaky launch", f"--nproc-per-node {cfg.nproc_per_node}",
@@ -281,6 +360,10 @@ class Launcher:
         """The folder of the files where the ranks write the run's directory and transport (``run-RANK.json``)."""
         self.told: dict[str, Any] = {}
         """What the ranks here last told of the run (a rank's file goes when its next process starts)."""
+        self.logs = RankLogs(log_dir, cfg.ranks, self.say) if log_dir else None
+        """Each rank's output in a file of its own as well (``--log-dir``), or None."""
+        self.starts: dict[int, int] = {rank: 0 for rank in cfg.ranks}
+        """How many processes each rank has been started as."""
 
     def _env(self, rank: int) -> dict[str, str]:
         env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.cfg.world_size),
@@ -294,6 +377,8 @@ class Launcher:
         if self.cfg.nproc_per_node > 1:
             # As torchrun: processes that share the cores take one OpenMP thread each unless told otherwise.
             env.setdefault("OMP_NUM_THREADS", "1")
+        if self.logs is not None:
+            env["PYTHONUNBUFFERED"] = "1"   # through a pipe: each line as it is written, not a block later
         return env
 
     def _start(self, rank: int) -> None:
@@ -304,9 +389,15 @@ class Launcher:
             os.unlink(self._run_file(rank))
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
+            piped = {} if self.logs is None else {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
             proc = subprocess.Popen([sys.executable, "-m", "shaky", "train", *self.args], env=self._env(rank),
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+                                    start_new_session=True, preexec_fn=_die_with_parent, **piped)
             self.procs[rank] = proc
+            self.starts[rank] += 1
+            if self.logs is not None:
+                self.logs.follow(rank, proc, f"shaky launch: rank {rank}, process {self.starts[rank]}, pid {proc.pid}, "
+                                             f"started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: shaky train "
+                                             f"{' '.join(self.args)}")
             if self.stopping is not None:
                 proc.send_signal(self.stopping)
         finally:
@@ -359,6 +450,8 @@ class Launcher:
                 for proc in self.procs.values():     # an exception here (never expected) leaves no rank behind
                     if proc.poll() is None:
                         proc.terminate()
+                if self.logs is not None:
+                    self.logs.close()
         return exit_status(self.statuses)
 
     def _restart_group(self) -> bool:
@@ -406,6 +499,8 @@ class Launcher:
             status = proc.poll()
             if status is None or rank in self.statuses:
                 continue
+            if self.logs is not None:
+                self.logs.drain(rank)   # its last lines before the launcher's line about it
             rank0 = self.procs.get(0)   # (on another machine: a process started again finds out itself)
             why = restart_decision(rank, status, restarts_used=self.restarts[rank],
                                    max_restarts=self.cfg.max_restarts,

@@ -23,10 +23,12 @@ from shaky.launch import (LAUNCHED_BY, NO_RESTARTS_LEFT, NOT_TOLD, NOT_WRITTEN, 
 ARGS = ["--transport", "udp", "--workers", "3", "--eval-every", "100", "--quiet", "--set", "network.compute_ms=1.0"]
 
 
-def _launch(tmp_path: Path, steps: int, fault: str = "", restarts: int = 1) -> subprocess.Popen:
+def _launch(tmp_path: Path, steps: int, fault: str = "", restarts: int = 1,
+            launch_args: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("SHAKY_KEY", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     return subprocess.Popen([sys.executable, "-m", "shaky", "launch", "--nproc-per-node", "3", "--max-restarts",
-                             str(restarts), "train", *ARGS, "--steps", str(steps), "--out", str(tmp_path / "run")],
+                             str(restarts), *launch_args, "train", *ARGS, "--steps", str(steps), "--out",
+                             str(tmp_path / "run")],
                             cwd=tmp_path, env={**env, "SHAKY_INJECT_FAULT": fault}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -51,6 +53,27 @@ def test_a_killed_rank_is_started_again_alone_and_taken_back(tmp_path: Path) -> 
     assert summary["steps"] == 200 and summary["live_workers"] == 3, summary
     changes = summary["udp"]["membership_changes"]
     assert [c["live"] for c in changes] == [[0, 1], [0, 1, 2]] and changes[1]["rejoined"] == [2], changes
+
+
+def test_log_dir_keeps_each_rank_s_output_behind_a_header_per_process_and_still_shows_it(tmp_path: Path) -> None:
+    """--log-dir: each rank's output goes to logs/rank-R.log as well as to the launcher's own (a tee), a header
+    line before each process the rank is started as: rank 2, killed and started again, has two; the launcher's
+    stdout still carries rank 0's last line, which its log holds too."""
+    proc = _launch(tmp_path, 60, "kill:2:25", launch_args=("--log-dir", "logs"))
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "shaky launch: rank 2 killed by SIGKILL; starting it again (1 of 1)" in err, err
+    logs = {rank: (tmp_path / "logs" / f"rank-{rank}.log").read_text() for rank in range(3)}
+    headers = {rank: [line for line in text.splitlines() if line.startswith(f"shaky launch: rank {rank}, process ")]
+               for rank, text in logs.items()}
+    assert [len(h) for h in headers.values()] == [1, 1, 2], headers
+    assert headers[2][1].startswith("shaky launch: rank 2, process 2, pid "), headers
+    assert logs[2].startswith(headers[2][0]), logs[2]
+    line = f"run directory: {tmp_path / 'run'}"
+    assert line in out.splitlines() and line in logs[0].splitlines(), (out, logs[0])
 
 
 @pytest.mark.parametrize("restarts", [0, 1])
@@ -711,6 +734,18 @@ def test_lines_of_ranks_that_share_a_pipe_never_run_into_each_other() -> None:
     assert [proc.wait(timeout=60) for proc in procs] == [0, 0]
     expected = {f"shaky: rank {rank} line {i} " + "x" * 300 for rank in (1, 2) for i in range(2000)}
     assert len(lines) == 4000 and set(lines) == expected
+
+
+def test_a_log_dir_that_cannot_hold_the_logs_is_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "logs" / "rank-1.log").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nproc-per-node", "2", "--log-dir",
+                           str(tmp_path / "logs"), "train", "--workers", "2", "--out", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"shaky: error: log-dir '{tmp_path / 'logs'}' cannot hold the ranks' logs: Is a directory "
+        f"({tmp_path / 'logs' / 'rank-1.log'})\n"), proc.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "logs" / "rank-0.log").exists()
 
 
 @pytest.mark.parametrize("node", [0, 1])
