@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence
 # (no torch in shaky.config: process_settings must come before torch loads)
 from shaky.config import MACHINE_SETTINGS, MAX_SCALE_PERIOD, first_difference
 from shaky.interrupt import exiting
-from shaky.launch import EXIT_BAD_INPUT, EXIT_DIVERGED  # no torch (the launcher reads them)
+from shaky.launch import EXIT_BAD_INPUT, EXIT_DIVERGED, MAX_RESTARTS_ENV  # no torch (the launcher reads them)
 from shaky.progress import say
 
 BAD_INPUT_GRACE_S = 2.0
@@ -574,7 +574,13 @@ def _check_same_config(cfg: Any, *, resumed: bool, inputs: dict[str, str] | None
     mine = json.loads(json.dumps(to_dict(cfg)))
     machine = {"settings": machine_settings(cfg), "inputs": inputs or {}}
     rank0_config, recorded = broadcast_object((mine, recorded))
-    found = gather_object((first_difference(mine, rank0_config, ignore=MACHINE_SETTINGS), machine))
+    restarts = os.environ.get(MAX_RESTARTS_ENV)     # under shaky launch: its --max-restarts
+    found = gather_object((first_difference(mine, rank0_config, ignore=MACHINE_SETTINGS), machine, restarts))
+    rank, theirs = next(((r, n) for r, (_, _, n) in enumerate(found) if n != found[0][2]), (None, None))
+    if rank is not None:
+        raise BadInput(f"rank {rank}'s shaky launch has --max-restarts {theirs or '(none: not shaky launch)'}, rank "
+                       f"0's {found[0][2] or '(none: not shaky launch)'}: give every machine's launcher the same")
+    found = [(d, m) for d, m, _ in found]
     rank, differs = next(((r, d) for r, (d, _) in enumerate(found) if d is not None), (None, None))
     if differs is not None:
         name, got, theirs = differs

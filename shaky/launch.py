@@ -62,6 +62,10 @@ NO_RESTARTS_LEFT = "it has no restarts left"
 LAUNCHED_BY = "SHAKY_LAUNCHED_BY"
 """Set in each rank's environment: the launcher's command line up to ``train`` (a rank's lines that say how to
 resume quote it)."""
+MAX_RESTARTS_ENV = "SHAKY_LAUNCH_MAX_RESTARTS"
+"""Set in each rank's environment: its launcher's --max-restarts, which every launcher of a run must be given
+alike (the ranks compare theirs with rank 0's when the group forms: a launcher that restarts its ranks while
+another does not would wait for ranks that never come)."""
 RUN_FILE_ENV = "SHAKY_LAUNCH_RUN_FILE"
 """Set in each rank's environment: where the rank writes the run's directory (rank 0's) and transport as JSON
 (``tell_launcher``), so that the launcher knows what a restart can do (a file per rank: each writes its own)."""
@@ -369,7 +373,8 @@ class Launcher:
         env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.cfg.world_size),
                "LOCAL_RANK": str(rank - self.cfg.ranks.start), "LOCAL_WORLD_SIZE": str(self.cfg.nproc_per_node),
                "GROUP_RANK": str(self.cfg.node_rank), "MASTER_ADDR": self.cfg.master_addr,
-               "MASTER_PORT": str(self.port), LAUNCHED_BY: self.command}
+               "MASTER_PORT": str(self.port), LAUNCHED_BY: self.command,
+               MAX_RESTARTS_ENV: str(self.cfg.max_restarts)}
         if self.run_files is not None:
             env[RUN_FILE_ENV] = self._run_file(rank)
         if self.fault and not self.restarts[rank] and not self.group_restarts:

@@ -461,7 +461,7 @@ def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: 
     rank0 = json.loads(json.dumps(to_dict(ours)))
     rank0["optim"]["lr"] = 0.5
     monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: (rank0, None))
-    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, value[1]), value])     # as rank 1 of 2
+    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, *value[1:]), value])     # as rank 1 of 2
     with pytest.raises(shaky_dist.ForgedRecord, match=r"rank 1: .*\(its optim\.lr is 0\.1, rank 0's 0\.5\)"):
         cli._check_same_config(ours, resumed=True)
     rank0["optim"]["lr"], rank0["dist"]["host"], rank0["data"]["path"] = 0.1, "10.0.0.1", "/elsewhere/data.npz"
@@ -489,7 +489,7 @@ def test_a_machine_whose_data_is_not_rank_0_s_stops_every_rank(monkeypatch: pyte
         settings = {"data.path": data[0], "network.trace": trace[0] if trace else ""}
         inputs = {"data": data[1], **({"network.trace": trace[1]} if trace else {})}
         monkeypatch.setattr(shaky_dist, "gather_object",
-                            lambda value: [(None, {"settings": settings, "inputs": inputs}), value])
+                            lambda value: [(None, {"settings": settings, "inputs": inputs}, value[2]), value])
 
     rank0_read(("/there/data.txt", "cd" * 32))
     with pytest.raises(cli.BadInput, match=(r"^rank 1's data.path '/here/data.txt' holds other text data than rank "
@@ -534,15 +534,21 @@ TEXT = "\n".join(f"{'good' if i % 2 else 'bad'}\t{'a fine day' if i % 2 else 'a 
                  for i in range(40)) + "\n"
 
 
-@pytest.mark.parametrize("differs", ["lr", "data"])
+@pytest.mark.parametrize("differs", ["lr", "data", "max-restarts"])
 def test_machines_that_run_different_command_lines_stop_before_they_train(differs: str, tmp_path: Path) -> None:
-    """Two launchers whose command lines differ in a setting the run shares (optim.lr), or whose data.path holds
-    other data (one line of a text file changed): every rank stops with status 2, rank 0 and the other machine's
-    first rank saying which rank and setting differ; nothing is written."""
+    """Two launchers whose command lines differ in a setting the run shares (optim.lr), whose data.path holds
+    other data (one line of a text file changed), or that were given different --max-restarts: every rank stops
+    with status 2, rank 0 and the other machine's first rank saying which rank and setting differ; nothing is
+    written."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node",
               "1", "train", "--workers", "2", "--steps", "5", "--quiet", "--out", str(tmp_path / "run")]
-    if differs == "lr":
+    launcher: list[list[str]] = [[], []]
+    if differs == "max-restarts":
+        own, launcher = [[], []], [["--max-restarts", "1"], ["--max-restarts", "2"]]
+        line = ("shaky: error: rank 1's shaky launch has --max-restarts 2, rank 0's 1: give every machine's launcher "
+                "the same")
+    elif differs == "lr":
         own = [["--lr", "0.1"], ["--lr", "0.2"]]
         line = ("shaky: error: rank 1's optim.lr is 0.2, rank 0's is 0.1: every machine must run the same command "
                 "line (only data.path, network.trace, dist.key_file, dist.ports, dist.host, device may differ)")
@@ -553,8 +559,8 @@ def test_machines_that_run_different_command_lines_stop_before_they_train(differ
                for name in ("a.txt", "b.txt")]
         line = (f"shaky: error: rank 1's data.path '{tmp_path / 'b.txt'}' holds other text data than rank 0's "
                 f"'{tmp_path / 'a.txt'}' (sha256 {{}}, rank 0's {{}}); every machine must read the same data")
-    procs = [subprocess.Popen([sys.executable, "-m", "shaky", "launch", "--node-rank", str(node), *common[:-2],
-                               *own[node], *common[-2:]], env=env, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "shaky", "launch", "--node-rank", str(node), *launcher[node],
+                               *common[:-2], *own[node], *common[-2:]], env=env, stderr=subprocess.PIPE, text=True)
              for node in (0, 1)]
     errs = []
     for proc in procs:
