@@ -410,6 +410,7 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
             say(f"shaky: rank {rank}: waiting to be taken back into the run in progress at {where} "
                 f"({run_dir})")
         welcome = comm.await_welcome(cfg.dist_timeout_s)
+        _check_taken_back(cfg, setup, welcome.get("run", {}), rank)
         if not args.quiet:
             say(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}, "
                 f"{comm.join_wait_s:.2f} s after asking")
@@ -431,6 +432,25 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
     finally:
         comm.close()
     return 0
+
+
+def _check_taken_back(cfg: Any, setup: Any, run: dict[str, Any], rank: int) -> None:
+    """A rank taken back checks its config and data against the run's, which came with the survivors' welcome
+    (sealed with the run's key): the record it started from came from the rendezvous store, which anyone can
+    write (ForgedRecord, status 3: it leaves the run before its model is averaged)."""
+    from shaky.comm.dist import ForgedRecord  # noqa: PLC0415
+    from shaky.config import to_dict  # noqa: PLC0415
+    from shaky.setup import inputs_digest  # noqa: PLC0415
+
+    differs = first_difference(json.loads(json.dumps(to_dict(cfg))), run.get("config"), ignore=MACHINE_SETTINGS)
+    mine, theirs = inputs_digest(setup), run.get("inputs") or {}
+    if differs is None and mine != theirs:
+        name = next((n for n in sorted({*mine, *theirs}) if mine.get(n) != theirs.get(n)))
+        differs = (f"{name} digest (sha256)", mine.get(name, "")[:12], theirs.get(name, "")[:12])
+    if differs is not None:
+        name, mine, theirs = differs
+        raise ForgedRecord(f"rank {rank} was taken back into a run whose {name} is {theirs!r}, not {mine!r} as the "
+                           "run's record in the rendezvous store said: something outside the run wrote it")
 
 
 def _staged(comm: Any, setup: Any) -> Any:

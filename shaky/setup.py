@@ -48,6 +48,8 @@ class Setup:
     device: torch.device
     grad_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     forward_fn: Callable[..., torch.Tensor] = field(repr=False)
+    digests: dict[str, str] | None = field(default=None, repr=False)
+    """:func:`inputs_digest`, once computed."""
     machines: dict[int, Any] = field(default_factory=dict, repr=False)
     """What each rank read on its own machine (settings, digests), by rank, for the run directory
     (``shaky.rundir.MACHINES_FILE``); the CLI fills it in."""
@@ -263,7 +265,11 @@ def inputs_digest(setup: Setup) -> dict[str, str]:
     """SHA-256 of what this machine read for the run from its own files and libraries, by setting: ``data`` (the
     data set after loading and splitting, train and test: another copy of a CIFAR-10 directory or text file, or
     another scikit-learn's or mnist1d's set, differs) and, where one is replayed, ``network.trace`` (its masks).
-    The dist backend compares every rank's with rank 0's, since these paths may differ between machines."""
+    The dist backend compares every rank's with rank 0's, since these paths may differ between machines.
+    Computed once per setup."""
+    if setup.digests is not None:
+        return dict(setup.digests)
+
     def digest(*arrays: torch.Tensor | np.ndarray, meta: object) -> str:
         h = hashlib.sha256(json.dumps(meta).encode())
         for a in arrays:
@@ -277,7 +283,8 @@ def inputs_digest(setup: Setup) -> dict[str, str]:
                           meta=[d.name, list(d.input_shape), d.num_classes, d.vocab_size, list(d.classes)])}
     if isinstance(setup.network, TraceNetwork):
         out["network.trace"] = digest(*setup.network.packed, meta="trace")
-    return out
+    setup.digests = out
+    return dict(out)
 
 
 def gradient_diversity(grads: torch.Tensor, comm: Comm, weights: torch.Tensor | None) -> float:

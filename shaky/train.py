@@ -34,7 +34,7 @@ from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, appen
                           load_run_config, new_run_dir, read_metrics, record_start, save_checkpoint,
                           truncate_metrics)
 from shaky.sampler import BatchSampler
-from shaky.setup import Setup, evaluate, prepare, start_gradient_diversity
+from shaky.setup import Setup, evaluate, inputs_digest, prepare, start_gradient_diversity
 from shaky.strategies import AverageModels, Strategy, sample_weights
 from shaky.strategies.exchange import StepStats, observed
 from shaky.strategies.state import map_rejoined, map_rows, map_synced, zip_rows
@@ -165,7 +165,7 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         joiners = comm.take_admitted()
         if joiners:     # they take part in the next control round: nothing of the survivors' may ride in it
             losses.take(counters, settle=True)
-        state = _welcome(joiners, comm, members, clock, masks, counters, state)
+        state = _welcome(joiners, comm, members, clock, masks, counters, state, setup)
         for at, live in comm.take_membership():   # a real transport's survivors left a dead rank out or took one back
             members.observe(at, live)
         rnd = Round(step, setup.network.sample(step), members.membership(step))
@@ -220,17 +220,19 @@ def _take(data: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _welcome(joiners: tuple[int, ...], comm: Comm, members: FailureSchedule, clock: Clock, masks: _Masks,
-             counters: Counters, state: Any) -> Any:
+             counters: Counters, state: Any, setup: Setup) -> Any:
     """Processes started again for dead ranks, which the survivors agreed to take back, join at this step's
     start: the exchanges in flight complete among the survivors (each a collective, walked in the same order
     on every rank), then the joiners get what a checkpoint holds, less the model (:func:`_take_back` gives
-    them the live workers' average of it and of their state)."""
+    them the live workers' average of it and of their state), and the run's config and data digests (``run``),
+    which a joiner checks its own against: the record it started from came from an unauthenticated store."""
     if not joiners:
         return state
     state = map_rows(state, lambda t: t)
     masks.settle(comm, counters)
     comm.welcome(joiners, {"counters": dict(vars(counters)), "clock": clock.state, "masks": masks.log.packed(),
-                           "failures": members.failures, "state": map_rows(state, lambda t: t.cpu())})
+                           "failures": members.failures, "state": map_rows(state, lambda t: t.cpu()),
+                           "run": {"config": to_dict(setup.cfg), "inputs": inputs_digest(setup)}})
     return state
 
 

@@ -530,6 +530,30 @@ def test_a_rank_with_other_data_is_not_taken_back(tmp_path: Path) -> None:
     assert inputs_digest(setup) == inputs_digest(prepare(cfg, measure=False))   # a digest is the data's, each time
 
 
+def test_a_rank_taken_back_checks_its_config_and_data_against_the_welcome() -> None:
+    """The record a process started again for a dead rank read came from the rendezvous store, which anyone can
+    write; the survivors' welcome is sealed with the run's key and carries the run's config and data digests: a
+    rank whose own differ from those leaves before its model is averaged (ForgedRecord)."""
+    from shaky import cli
+    from shaky.comm.dist import ForgedRecord
+    from shaky.config import RunConfig, to_dict
+    from shaky.setup import inputs_digest, prepare
+
+    cfg = RunConfig(backend="dist", num_workers=2)
+    setup = prepare(cfg, measure=False)
+    run = {"config": json.loads(json.dumps(to_dict(cfg))), "inputs": inputs_digest(setup)}
+    run["config"]["device"] = "cuda:3"          # a machine's own setting may differ
+    cli._check_taken_back(cfg, setup, run, 1)
+    run["config"]["optim"]["lr"] = 0.7
+    with pytest.raises(ForgedRecord, match=r"^rank 1 was taken back into a run whose optim.lr is 0.7, not 0.1 as the "
+                                           r"run's record in the rendezvous store said"):
+        cli._check_taken_back(cfg, setup, run, 1)
+    run["config"]["optim"]["lr"] = 0.1
+    run["inputs"] = {"data": "ab" * 32}
+    with pytest.raises(ForgedRecord, match=r"whose data digest \(sha256\) is 'abababababab', not '[0-9a-f]{12}'"):
+        cli._check_taken_back(cfg, setup, run, 1)
+
+
 TEXT = "\n".join(f"{'good' if i % 2 else 'bad'}\t{'a fine day' if i % 2 else 'a poor day'} number {i}"
                  for i in range(40)) + "\n"
 
