@@ -350,11 +350,13 @@ def _joining(timeout_s: float) -> Any:
     at MASTER_ADDR:MASTER_PORT (``shaky.comm.dist.run_in_progress``), else None."""
     if "RANK" not in os.environ or os.environ.get("RANK") == "0" or "MASTER_PORT" not in os.environ:
         return None
-    from shaky.comm.dist import NoStore, run_in_progress  # noqa: PLC0415
+    from shaky.comm.dist import NoStore, RankTaken, run_in_progress  # noqa: PLC0415
     from shaky.launch import tell_launcher  # noqa: PLC0415
 
     try:
         return run_in_progress(timeout_s)
+    except RankTaken as exc:    # said here: rank 0 does not know of this process
+        raise AloneBadInput(str(exc)) from None
     except NoStore as exc:
         tell_launcher(None, None, stopped=True)     # not a rank to start again alone: there is no run
         raise _no_group(timeout_s, str(exc)) from None

@@ -796,6 +796,30 @@ def test_a_rank_whose_process_group_never_forms_stops_with_one_line(node: int, t
     assert not (tmp_path / "run").exists()
 
 
+def test_two_launchers_given_one_node_rank_do_not_both_join_as_its_ranks(tmp_path: Path) -> None:
+    """Three launchers of a 2-machine run, two of them given --node-rank 1: the first rank 1 to claim its rank in
+    the store trains with rank 0; the other stops at once with one line naming both claimants (status 2), not
+    joining the group as a second rank 1."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    common = ["--nnodes", "2", "--master-port", str(free_port()), "--nproc-per-node", "1", "train", "--workers",
+              "2", "--steps", "3000", "--eval-every", "1000", "--set", "dist_timeout_s=30", "--quiet", "--out",
+              str(tmp_path / "run")]
+    procs = [subprocess.Popen([sys.executable, "-m", "shaky", "launch", "--node-rank", str(node), *common], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (1, 1, 0)]
+    ends = []
+    for proc in procs:
+        try:
+            ends.append((proc.communicate(timeout=120)[1], proc.returncode))
+        finally:
+            proc.kill()
+    assert ends[2][1] == 0 and sorted(code for _, code in ends[:2]) == [0, 2], ends
+    err = next(err for err, code in ends[:2] if code == 2)
+    assert [line for line in err.splitlines() if line.startswith("shaky: error:")] == [err.strip()], err
+    assert err.startswith("shaky: error: rank 1 is held by another process (host ") and err.strip().endswith(
+        "give each machine its own --node-rank and every machine the same --nproc-per-node"), err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3000
+
+
 def test_bad_input_on_a_machine_without_rank_0_is_said_before_it_waits_for_rank_0(tmp_path: Path) -> None:
     """Rank 0 is never started: a rank on another machine that finds bad input in its own command line says so
     at once (status 2), not after waiting dist_timeout_s for rank 0's store."""

@@ -630,8 +630,32 @@ def run_in_progress(timeout_s: float) -> JoinStore | None:
     except (RuntimeError, ValueError):   # the store went again: joining the group will say so
         return None
     if not raw.check([RUN_KEY]) or raw.check([ENDED_KEY]):
+        _claim_rank(raw, rank)
         return None
-    return JoinStore(raw, rank, world, json.loads(raw.get(RUN_KEY).decode()))
+    record = json.loads(raw.get(RUN_KEY).decode())
+    if record.get("transport") != "udp":    # gloo takes no rank back: another process as this rank is a second one
+        _claim_rank(raw, rank)
+    return JoinStore(raw, rank, world, record)
+
+
+class RankTaken(ValueError):
+    """Another process already holds this rank in the group that is forming (two launchers given one
+    --node-rank, or different --nproc-per-node): bad input of this process alone."""
+
+
+def _claim_rank(store: dist.Store, rank: int) -> None:
+    """A rank > 0 about to join a new process group claims its rank in the rendezvous store, in the name of its
+    machine and launcher (the same launcher starting it again is the same claimant); RankTaken where another
+    holds it. Without this the two would both join as that rank, and the group fail or hang."""
+    mine = f"host {socket.gethostname()}, launcher pid {os.getppid()}, machine {os.environ.get('GROUP_RANK', '?')}"
+    holder = store.compare_set(f"{CLAIM_PREFIX}{rank}", "", mine).decode()
+    if holder != mine:
+        raise RankTaken(f"rank {rank} is held by another process ({holder}; this one: {mine}): give each machine "
+                        "its own --node-rank and every machine the same --nproc-per-node")
+
+
+CLAIM_PREFIX = f"shaky/rank/{ATTEMPT}/"
+"""Where each rank > 0 claims its rank before the process group forms (:func:`_claim_rank`)."""
 
 
 RESUME_KEY = f"shaky/resume/{ATTEMPT}"
