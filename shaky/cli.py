@@ -106,7 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="any setting by its dotted name, e.g. --set network.latency_ms=20 (repeatable)")
     train.add_argument("--out", metavar="DIR", help="run directory (default runs/<dataset>-<model>-<strategy>-...)")
-    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
+    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint, with its saved "
+                       "config (only a machine's own settings may be given anew: --data-path, --replay-trace, "
+                       "--device, --key-file, --set dist.ports=/dist.host=)")
     train.add_argument("--quiet", action="store_true", help="no progress output")
 
     launch = sub.add_parser(
