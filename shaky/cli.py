@@ -276,11 +276,11 @@ def _read_here(args: argparse.Namespace, setup: Any, run_dir: Path) -> dict[str,
 def _check_as_trained(cfg: Any, here: dict[str, Any], recorded: dict[str, Any] | None, who: str) -> None:
     """A resumed run reads the data (and trace) its last start read (``recorded``; None: not known), else
     BadInput, its line starting with ``who``."""
-    for name in here["inputs"]:
-        differs = _other_inputs(cfg, here, recorded, name, whose="then") if recorded else None
-        if differs is not None:
-            raise BadInput(f"{who} {differs[0]} than the run was trained on ({differs[1]} at "
-                           f"{_input_path(recorded, name)!r}); a resume goes on with the same data")
+    differs = _other_inputs(cfg, here, recorded, whose="then")
+    if differs is not None:
+        name, what, sums = differs
+        raise BadInput(f"{who} {what} than the run was trained on ({sums} at {_input_path(recorded or {}, name)!r}); "
+                       "a resume goes on with the same data")
 
 
 def _faults() -> Any:
@@ -307,15 +307,16 @@ def _stopping(run_dir: Path, command: str, *, writer: bool = True) -> Iterator[N
     from shaky.interrupt import Stopped  # noqa: PLC0415
     from shaky.rundir import WriteError  # noqa: PLC0415
 
+    local = run_dir if writer else None     # a rank > 0 says where rank 0's checkpoint is, not what it sees here
     try:
         yield
     except Stopped as exc:
         raise Stop(f"{exc}; `{command} --resume {run_dir}` continues from there and ends as the uninterrupted "
                    "run would" if writer else "", exc.exit_code) from None
     except KeyboardInterrupt:
-        raise Stop(f"interrupted at once; last checkpoint: {_checkpoint_note(run_dir, command, run_dir if writer else None)}", 130) from None
+        raise Stop(f"interrupted at once; last checkpoint: {_checkpoint_note(run_dir, command, local)}", 130) from None
     except WriteError as exc:
-        raise Stop(f"error: {exc}; last checkpoint: {_checkpoint_note(run_dir, command, run_dir if writer else None)}", 1) from None
+        raise Stop(f"error: {exc}; last checkpoint: {_checkpoint_note(run_dir, command, local)}", 1) from None
 
 
 def _launcher() -> str:
@@ -393,13 +394,11 @@ def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
     from shaky.config import machine_settings  # noqa: PLC0415
     from shaky.setup import inputs_digest  # noqa: PLC0415
 
-    run = {"settings": machine_settings(cfg), "inputs": record.get("inputs", {})}
-    for name in run["inputs"]:
-        differs = _other_inputs(cfg, {"settings": run["settings"], "inputs": inputs_digest(setup)}, run, name,
-                                whose="the run's")
-        if differs is not None:
-            raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: its {differs[0]} than the "
-                                f"run's ({differs[1]})")
+    differs = _other_inputs(cfg, {"settings": machine_settings(cfg), "inputs": inputs_digest(setup)}, record,
+                            whose="the run's")
+    if differs is not None:
+        raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: its {differs[1]} than the "
+                            f"run's ({differs[2]})")
     run_dir = Path(record["run_dir"])
     setup.compute_ms = float(record["compute_ms"])
     slots = setup.strategy.exchange.schedule.slots
@@ -446,15 +445,19 @@ def _check_taken_back(cfg: Any, setup: Any, run: dict[str, Any], rank: int) -> N
     from shaky.config import to_dict  # noqa: PLC0415
     from shaky.setup import inputs_digest  # noqa: PLC0415
 
+    from shaky.config import machine_settings  # noqa: PLC0415
+
     differs = first_difference(json.loads(json.dumps(to_dict(cfg))), run.get("config"), ignore=MACHINE_SETTINGS)
-    mine, theirs = inputs_digest(setup), run.get("inputs") or {}
-    if differs is None and mine != theirs:
-        name = next((n for n in sorted({*mine, *theirs}) if mine.get(n) != theirs.get(n)))
-        differs = (f"{name} digest (sha256)", mine.get(name, "")[:12], theirs.get(name, "")[:12])
     if differs is not None:
         name, mine, theirs = differs
         raise ForgedRecord(f"rank {rank} was taken back into a run whose {name} is {theirs!r}, not {mine!r} as the "
                            "run's record in the rendezvous store said: something outside the run wrote it")
+    other = _other_inputs(cfg, {"settings": machine_settings(cfg), "inputs": inputs_digest(setup)}, run,
+                          whose="the run's")
+    if other is not None:
+        raise ForgedRecord(f"rank {rank} was taken back into a run that read other data: its {other[1]} ({other[2]}), "
+                           "though the run's record in the rendezvous store said otherwise: something outside the "
+                           "run wrote it")
 
 
 def _staged(comm: Any, setup: Any) -> Any:
@@ -604,7 +607,7 @@ def _check_same_config(cfg: Any, *, resumed: bool, inputs: dict[str, str] | None
     if rank is not None:
         raise BadInput(f"rank {rank}'s shaky launch has --max-restarts {theirs or '(none: not shaky launch)'}, rank "
                        f"0's {found[0][2] or '(none: not shaky launch)'}: give every machine's launcher the same")
-    found = [(d, m) for d, m, _ in found]
+    found = [(d, m) for d, m, _ in found]       # (its config's first difference, its machine) by rank
     rank, differs = next(((r, d) for r, (d, _) in enumerate(found) if d is not None), (None, None))
     if differs is not None:
         name, got, theirs = differs
@@ -616,16 +619,15 @@ def _check_same_config(cfg: Any, *, resumed: bool, inputs: dict[str, str] | None
     rank0 = found[0][1]
     _check_as_trained(cfg, rank0, recorded, "--resume: rank 0's")
     for rank, (_, theirs) in enumerate(found):
-        for name in theirs["inputs"]:
-            differs = _other_inputs(cfg, theirs, rank0, name, whose="rank 0's")
-            if differs is None:
-                continue
-            what, sums = differs
-            if name == "data" and not theirs["settings"]["data.path"] and not rank0["settings"]["data.path"]:
-                raise BadInput(f"rank {rank} loads other {cfg.data.dataset} data than rank 0 ({sums}: another "
-                               "version of the library that ships it?); every machine must train on the same data")
-            raise BadInput(f"rank {rank}'s {what} than rank 0's {_input_path(rank0, name)!r} ({sums}); every machine "
-                           f"must read the same {'data' if name == 'data' else 'trace'}")
+        differs = _other_inputs(cfg, theirs, rank0, whose="rank 0's")
+        if differs is None:
+            continue
+        name, what, sums = differs
+        if name == "data" and not theirs["settings"]["data.path"] and not rank0["settings"]["data.path"]:
+            raise BadInput(f"rank {rank} loads other {cfg.data.dataset} data than rank 0 ({sums}: another version of "
+                           "the library that ships it?); every machine must train on the same data")
+        raise BadInput(f"rank {rank}'s {what} than rank 0's {_input_path(rank0, name)!r} ({sums}); every machine "
+                       f"must read the same {'data' if name == 'data' else 'trace'}")
     return {rank: theirs for rank, (_, theirs) in enumerate(found)}
 
 
@@ -637,17 +639,18 @@ def _input_path(machine: dict[str, Any], name: str) -> str:
     return str(machine["settings"].get(_INPUT_SETTING[name], ""))
 
 
-def _other_inputs(cfg: Any, machine: dict[str, Any], reference: dict[str, Any], name: str, *,
-                  whose: str) -> tuple[str, str] | None:
-    """Where ``machine`` read other ``name`` (data, a trace) than ``reference`` did (each ``{"settings",
-    "inputs"}``): ("data.path '...' holds other text data", "sha256 ..., <whose> ..."); None where they agree or
-    ``reference`` has no digest of it."""
-    digest, theirs = machine["inputs"].get(name), reference["inputs"].get(name)
-    if digest is None or theirs is None or digest == theirs:
-        return None
-    what = f"{cfg.data.dataset} data" if name == "data" else "masks"
-    return (f"{_INPUT_SETTING[name]} {_input_path(machine, name)!r} holds other {what}",
-            f"sha256 {digest[:12]}, {whose} {theirs[:12]}")
+def _other_inputs(cfg: Any, machine: dict[str, Any], reference: dict[str, Any] | None, *,
+                  whose: str) -> tuple[str, str, str] | None:
+    """The first of ``machine``'s inputs (the data, a trace) that is not what ``reference`` read (each
+    ``{"settings", "inputs"}``; ``reference``'s settings are not needed): its name, "data.path '...' holds
+    other text data" and "sha256 ..., <whose> ..."; None where they agree (or ``reference`` has no digest)."""
+    for name, digest in machine["inputs"].items():
+        theirs = (reference or {}).get("inputs", {}).get(name)
+        if theirs is not None and digest != theirs:
+            what = f"{cfg.data.dataset} data" if name == "data" else "masks"
+            return (name, f"{_INPUT_SETTING[name]} {_input_path(machine, name)!r} holds other {what}",
+                    f"sha256 {digest[:12]}, {whose} {theirs[:12]}")
+    return None
 
 
 def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:

@@ -720,7 +720,7 @@ def machine_settings(cfg: RunConfig) -> dict[str, Any]:
         value: Any = cfg
         for part in name.split("."):
             value = getattr(value, part)
-        out[name] = to_dict(value) if isinstance(value, tuple) else value
+        out[name] = value
     return out
 
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shaky.config import MACHINE_SETTINGS, RunConfig, config_from_dict, first_difference, load_toml, to_dict, to_toml
+from shaky.config import (MACHINE_SETTINGS, RunConfig, config_from_dict, first_difference, load_toml, to_dict,
+                          to_toml)
 
 CONFIG_FILE = "config.toml"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -152,12 +153,11 @@ def _machines_text(machines: dict[int, Any]) -> str:
 
 
 def record_start(run_dir: Path, cfg: RunConfig, machines: dict[int, Any] | None) -> None:
-    """A resumed run's start: ``machines`` (:data:`MACHINES_FILE`), and config.toml anew where a machine
-    setting changed (the data moved, another device): the next resume reads them."""
+    """A resumed run's start: config.toml anew (a machine setting may have changed: the data moved, another
+    device) and ``machines`` (:data:`MACHINES_FILE`), for the next resume to read."""
+    atomic_write(run_dir / CONFIG_FILE, lambda f: f.write(to_toml(cfg)))
     if machines:
         atomic_write(run_dir / MACHINES_FILE, lambda f: f.write(_machines_text(machines)))
-    if to_dict(load_run_config_file(run_dir)) != to_dict(cfg):
-        atomic_write(run_dir / CONFIG_FILE, lambda f: f.write(to_toml(cfg)))
 
 
 def read_machines(run_dir: Path) -> dict[int, Any]:
@@ -167,15 +167,11 @@ def read_machines(run_dir: Path) -> dict[int, Any]:
         return {}
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
-        return {int(rank): {"settings": dict(v["settings"]), "inputs": dict(v["inputs"])} for rank, v in values.items()}
+        return {int(rank): {"settings": dict(v["settings"]), "inputs": dict(v["inputs"])}
+                for rank, v in values.items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:80]}"
         raise ValueError(f"resume: {path} is damaged ({why})") from None
-
-
-def load_run_config_file(run_dir: str | Path) -> RunConfig:
-    """config.toml of ``run_dir`` as it is, unchecked."""
-    return config_from_dict(load_toml(Path(run_dir) / CONFIG_FILE))
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
