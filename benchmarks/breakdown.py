@@ -9,7 +9,9 @@ timed around its call with `time.perf_counter` (about a microsecond a call on to
 time is `shaky.train._loop`'s. Parts:
 
 * ``step``: ``train_step`` (gradients, the local update and the exchange), of which ``block average``
-  (the simulator's lossy block average, ``SimComm.block_average``);
+  (the simulator's lossy block average, ``SimComm.block_average``) and ``bmm and baddbmm`` (every
+  ``torch.bmm`` and ``torch.baddbmm`` called from Python during the step: for the MLP, all of its matrix
+  products, the block average's included; a conv net's run inside autograd and are not counted);
 * ``evaluation``: the metrics row every ``eval_every`` steps (the test set through the average model and
   through every worker's, the gradient diversity, the metrics file);
 * ``masks``: drawing the round's delivery masks (``NetworkModel.sample``); ``mask log``: keeping them for
@@ -39,11 +41,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (label, module, attribute path): what is timed. "block average" runs inside "step", and "loop" holds them all.
 PARTS = [("step", "shaky.train", "train_step"), ("block average", "shaky.comm.sim", "SimComm.block_average"),
+         ("bmm and baddbmm", "torch", "bmm"), ("bmm and baddbmm", "torch", "baddbmm"),
          ("evaluation", "shaky.train", "_Metrics.log"), ("masks", "shaky.network.model", "NetworkModel.sample"),
          ("mask log", "shaky.train", "_Masks.record"), ("sampler", "shaky.sampler", "BatchSampler.indices"),
          ("loss mean", "shaky.train", "_LossMeans.take"), ("clock", "shaky.network.clock", "Clock.advance"),
          ("loop", "shaky.train", "_loop")]
-INSIDE = {"block average": "step"}
+INSIDE = {"block average": "step", "bmm and baddbmm": "step"}
 
 
 def _instrument(totals: collections.Counter[str]) -> None:
@@ -52,6 +55,7 @@ def _instrument(totals: collections.Counter[str]) -> None:
     import importlib  # noqa: PLC0415
 
     in_loop = [False]
+    depth: collections.Counter[str] = collections.Counter()   # how many calls of each part are running now
 
     for label, module, path in PARTS:
         owner: Any = importlib.import_module(module)
@@ -63,13 +67,15 @@ def _instrument(totals: collections.Counter[str]) -> None:
         def timed(*args: Any, _fn: Callable[..., Any] = fn, _label: str = label, **kwargs: Any) -> Any:
             if _label == "loop":
                 in_loop[0] = True
-            elif not in_loop[0]:
+            elif not in_loop[0] or (_label in INSIDE and not depth[INSIDE[_label]]):
                 return _fn(*args, **kwargs)
+            depth[_label] += 1
             start = time.perf_counter()
             try:
                 return _fn(*args, **kwargs)
             finally:
                 totals[_label] += time.perf_counter() - start
+                depth[_label] -= 1
                 if _label == "loop":
                     in_loop[0] = False
 
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{steps} steps, {1e3 * summary['wall_time_s'] / steps:.3f} ms a step by summary.json "
           f"(this run, instrumented)\n")
     print(f"{'part':<16} {'ms/step':>8} {'share':>6}")
-    for label, _, _ in PARTS[:-1]:
+    for label in dict.fromkeys(label for label, _, _ in PARTS[:-1]):
         ms = 1e3 * totals[label] / steps
         name = f"  {label}" if label in INSIDE else label
         print(f"{name:<16} {ms:>8.3f} {totals[label] / loop:>6.0%}")

@@ -299,6 +299,17 @@ class _LinearChainGrad(FusedGradFn):
         self._weights = _SampleWeights()
         self._views_key: tuple[object, ...] | None = None
         self._views: list[torch.Tensor] = []
+        self._weight_grads: dict[int, torch.Tensor] = {}
+
+    def _weight_grad_out(self, i: int, like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """Layer ``i``'s weight-gradient buffer ``[W, rows, cols]``, the same storage every step: the gemm writes
+        into memory that is still in the cache, not a fresh 4 MB block (about 0.07 ms a step for the MLP at W = 64; the
+        bits are bmm's either way). A gradient handed to a sink is read or consumed before the next call."""
+        buf = self._weight_grads.get(i)
+        shape = (like.shape[0], rows, cols)
+        if buf is None or buf.shape != shape or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._weight_grads[i] = like.new_empty(shape)
+        return buf
 
     def _row_views(self, params: torch.Tensor) -> list[torch.Tensor]:
         """:func:`_row_views` of ``params.detach()``, kept while the training loop passes the same storage every
@@ -384,9 +395,10 @@ class _LinearChainGrad(FusedGradFn):
                 if i < len(self.layers) - 1 and layer.relu:
                     # ReLU's backward in one pass, without a boolean mask tensor.
                     dz = torch.ops.aten.threshold_backward(dz, acts[i + 1], 0)
-                # Into a fresh contiguous tensor, not straight into a [W, D] view: CPU bmm takes its batched
+                # Into a contiguous buffer of its own, not straight into a [W, D] view: CPU bmm takes its batched
                 # gemm path only for a contiguous result and falls back to one gemm per worker otherwise.
-                weight_grad = torch.bmm(dz.transpose(1, 2), acts[i]).reshape(w, -1)
+                out = self._weight_grad_out(i, dz, dz.shape[2], acts[i].shape[2])
+                weight_grad = torch.bmm(dz.transpose(1, 2), acts[i], out=out).reshape(w, -1)
                 bias_grad = None if layer.bias is None else dz.sum(dim=1)
                 if i:
                     dz = torch.bmm(dz, p[layer.weight])      # the last use of this layer's parameters

@@ -43,9 +43,12 @@ def test_the_breakdown_benchmark_times_every_part_of_the_loop() -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = dict(re.findall(r"^\s*([a-z ]+?)\s+([\d.]+)\s+\d+%$", proc.stdout, re.MULTILINE))
-    parts = ["step", "block average", "evaluation", "masks", "mask log", "sampler", "loss mean", "clock"]
+    parts = ["step", "block average", "bmm and baddbmm", "evaluation", "masks", "mask log", "sampler", "loss mean",
+             "clock"]
     assert set(rows) == {*parts, "rest", "loop"}, proc.stdout
     # Every part was called (a renamed function would leave its part at 0), and none is counted inside another
     # (the rest, the loop less the parts, would come out negative and not match the pattern above).
     assert all(float(rows[p]) > 0 for p in parts), proc.stdout
     assert float(rows["block average"]) < float(rows["step"]) < float(rows["loop"]), proc.stdout
+    # The step's matrix products are a part of the step.
+    assert float(rows["bmm and baddbmm"]) < float(rows["step"]), proc.stdout
