@@ -366,10 +366,25 @@ def _joining(timeout_s: float) -> Any:
 
 
 def _no_group(timeout_s: float, why: str) -> Stop:
-    """The one line of a rank whose process group did not form (status 3)."""
+    """The one line of a rank whose process group did not form (status 3), or of a rank 0 that could not host
+    the rendezvous store because its port is taken (:func:`_port_taken`, status 2)."""
+    taken = _port_taken(why)
+    if taken is not None:
+        return taken
     return Stop(f"error: rank {os.environ.get('RANK')}: the process group did not form (rank 0's store at "
                 f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}; every rank must start within "
                 f"dist_timeout_s = {timeout_s:g} s of the others): {' '.join(why.split())[:100]}", 3)
+
+
+def _port_taken(why: str) -> Stop | None:
+    """The one line (status 2) of a rank 0 whose rendezvous store could not listen because its port is in use
+    (torch's DistNetworkError names EADDRINUSE): another program or run on the port, or a second launcher given
+    --node-rank 0 for the same run. None for any other failure."""
+    if "EADDRINUSE" not in why:
+        return None
+    return Stop(f"error: rank 0 cannot host the rendezvous store: --master-port {os.environ.get('MASTER_PORT')} is "
+                "in use on this machine (another run or program on it, or a second launcher given --node-rank 0); "
+                "give a free --master-port, and --node-rank 0 to one launcher only", EXIT_BAD_INPUT)
 
 
 def _rejoin_dist(args: argparse.Namespace, setup: Any, joining: Any) -> int:
@@ -752,8 +767,9 @@ def _hand_out_resume(run_dir: Path, own: dict[str, Any]) -> Any:
             hand_out_resume({"config": to_dict(cfg), "run_dir": str(run_dir.resolve()), "machines": machines},
                             cfg.dist_timeout_s)
         except RuntimeError as exc:     # DistNetworkError: the port is taken, the address is not this machine's
-            raise Stop(f"error: rank 0 cannot open the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
-                       f"{os.environ.get('MASTER_PORT')}: {' '.join(str(exc).split())[:100]}", 3) from None
+            raise _port_taken(str(exc)) or Stop(
+                f"error: rank 0 cannot open the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
+                f"{os.environ.get('MASTER_PORT')}: {' '.join(str(exc).split())[:100]}", 3) from None
     return cfg
 
 

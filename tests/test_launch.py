@@ -857,3 +857,26 @@ def test_bad_input_on_a_machine_without_rank_0_is_said_before_it_waits_for_rank_
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("shaky: error:")]
     assert len(errors) == 1 and errors[0].startswith("shaky: error: batch_size 100000 is larger"), proc.stderr
+
+
+def test_rank_0_on_a_port_in_use_stops_at_once_with_one_line(tmp_path: Path) -> None:
+    """The store's port is taken (here by a listening socket; a second launcher given --node-rank 0 takes it the
+    same way): rank 0 cannot host the rendezvous store and says so in one line naming --master-port, status 2,
+    at once, not after a timeout and not as "the process group did not form"; nothing is written."""
+    import socket  # noqa: PLC0415
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "shaky", "launch", "--nnodes", "2", "--node-rank", "0",
+                               "--master-port", str(port), "--nproc-per-node", "1", "train", "--workers", "2",
+                               "--set", "dist_timeout_s=600", "--quiet", "--out", str(tmp_path / "run")],
+                              env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        f"shaky: error: rank 0 cannot host the rendezvous store: --master-port {port} is in use on this machine "
+        "(another run or program on it, or a second launcher given --node-rank 0); give a free --master-port, and "
+        "--node-rank 0 to one launcher only"), proc.stderr
+    assert not (tmp_path / "run").exists()
