@@ -21,7 +21,8 @@ test: $(BIN)/shaky
 	$(BIN)/python -m pytest
 
 # A run and a sweep stopped by SIGINT, SIGTERM and SIGKILL at 20 random moments each, resumed every time,
-# compared with the uninterrupted ones (several minutes; tests/test_kill.py).
+# compared with the uninterrupted ones (tests/test_kill.py); the launchers' restarts over two machines
+# (tests/test_launch.py) and a hung rank (tests/test_dist_faults.py). Several minutes.
 test-kill: $(BIN)/shaky
 	$(BIN)/python -m pytest -m kill
 

@@ -29,7 +29,7 @@ def _launch(args: list[str], cwd: Path, fault: str = "") -> list[subprocess.Pope
 _finish = finish
 
 
-@pytest.mark.parametrize("fault", ["exit", "hang"])
+@pytest.mark.parametrize("fault", ["exit", pytest.param("hang", marks=pytest.mark.kill)])  # hang: make test-kill
 def test_failed_rank_is_named_and_resume_finishes(fault: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     procs = _launch(["--backend", "dist", *ARGS, "--set", "dist_timeout_s=5", "--out", str(run_dir)], tmp_path,

@@ -331,6 +331,7 @@ def never_stopped(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict],
     return _numbers(out)
 
 
+@pytest.mark.kill   # (make test-kill: minutes of restarts over two machines)
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
 def test_a_run_over_two_machines_resumes_where_only_rank_0_s_machine_has_its_directory(
         tmp_path: Path, never_stopped: tuple[list[dict], dict]) -> None:
@@ -347,6 +348,7 @@ def test_a_run_over_two_machines_resumes_where_only_rank_0_s_machine_has_its_dir
     assert not (tmp_path / "b" / "run").exists()
 
 
+@pytest.mark.kill   # (make test-kill: minutes of restarts over two machines)
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
 def test_over_two_machines_each_launcher_starts_its_ranks_again_and_the_run_ends_as_one_never_stopped(
         tmp_path: Path, never_stopped: tuple[list[dict], dict]) -> None:
@@ -384,6 +386,7 @@ def test_over_two_machines_each_resumes_with_its_own_data_path(tmp_path: Path) -
     assert json.loads((tmp_path / "a" / "run" / "summary.json").read_text())["steps"] == 60
 
 
+@pytest.mark.kill   # (make test-kill: minutes of restarts over two machines)
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
 def test_over_two_machines_a_dead_rank_0_stops_a_udp_run_and_both_launchers_resume_it(tmp_path: Path) -> None:
     """udp, --max-restarts 1: rank 0 gets SIGKILL at step 40; the second machine's ranks stop with the run (not
@@ -402,6 +405,7 @@ def test_over_two_machines_a_dead_rank_0_stops_a_udp_run_and_both_launchers_resu
     assert summary["steps"] == 200 and summary["live_workers"] == 4, summary
 
 
+@pytest.mark.kill   # (make test-kill: minutes of restarts over two machines)
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
 def test_over_two_machines_a_rank_taken_back_stops_with_the_run_and_starts_again_with_the_others(
         tmp_path: Path) -> None:
