@@ -7,9 +7,9 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: demo test test-kill test-gpu reproduce install clean
 
-$(BIN)/shaky: pyproject.toml setup.py shaky/comm/_fastpath.c
+$(BIN)/shaky: pyproject.toml constraints.txt setup.py shaky/comm/_fastpath.c
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	@touch $@
 
 install: $(BIN)/shaky
