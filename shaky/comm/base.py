@@ -102,6 +102,26 @@ class Done(NamedTuple):
         return self.value
 
 
+class FixedMembership:
+    """:class:`Comm`'s membership methods for a backend whose membership is the failure schedule's (the
+    simulator; gloo, where a dead rank stops every rank): the drawn masks are the ones that applied, no
+    survivors agree on a change, and no process is taken back. The udp transport overrides them all."""
+
+    def take_observed(self) -> list[tuple[int, LinkSample]]:
+        return []
+
+    def take_membership(self) -> list[tuple[int, torch.Tensor]]:
+        return []
+
+    def take_admitted(self) -> tuple[int, ...]:
+        return ()
+
+    def welcome(self, joiners: Sequence[int], snapshot: dict[str, Any]) -> None:
+        """Never called (:meth:`take_admitted` admits no one)."""
+        raise RuntimeError(f"{type(self).__name__} takes no process back: its membership is the failure "
+                           "schedule's (only the udp transport takes a rank back)")
+
+
 class Comm(Protocol):
     num_workers: int
     """W, the number of workers in the whole run."""

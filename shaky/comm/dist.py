@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from shaky.comm.base import Done, block_sizes
+from shaky.comm.base import Done, FixedMembership, block_sizes
 from shaky.comm.udp import (AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, bind_first_free,
                             python_path_warning)
 from shaky.config import DistConfig
@@ -149,7 +149,7 @@ class _Taken(NamedTuple):
     """What the round's submitter had it carry back (an exchange's result)."""
 
 
-class DistComm:
+class DistComm(FixedMembership):
     """Comm for one worker per torch.distributed process (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self, *, heartbeat: bool = False, joining: JoinStore | None = None) -> None:
@@ -261,22 +261,6 @@ class DistComm:
     def on_step(self, step: int) -> None:
         """Marks this rank's progress in the store where survivors of a failure read it (a request a step)."""
         self._progress_store.set(f"shaky/step/{self.rank}", str(step))
-
-    def take_observed(self) -> list[tuple[int, LinkSample]]:
-        """Nothing on gloo: the drawn masks are the ones that applied."""
-        return []
-
-    def take_membership(self) -> list[tuple[int, torch.Tensor]]:
-        """Nothing on gloo: a dead rank stops every rank (see :meth:`diagnose_failure`)."""
-        return []
-
-    def take_admitted(self) -> tuple[int, ...]:
-        """Nothing on gloo: a rank started again cannot join a process group in progress."""
-        return ()
-
-    def welcome(self, joiners: Sequence[int], snapshot: dict[str, Any]) -> None:
-        """Never called on gloo (:meth:`take_admitted` admits no one)."""
-        raise RuntimeError("the gloo transport takes no rank back")
 
     def publish_run(self, record: dict[str, Any]) -> None:
         """Rank 0: what a process started again for a dead rank needs to know of the run (its directory, its

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from shaky.comm import native
-from shaky.comm.base import Done, block_sizes, on_device, segment_counts, segment_length
-
-if TYPE_CHECKING:
-    from shaky.network.model import LinkSample
+from shaky.comm.base import Done, FixedMembership, block_sizes, on_device, segment_counts, segment_length
 
 
 @lru_cache(maxsize=64)
@@ -54,7 +50,7 @@ def _take_where_delivered(out: torch.Tensor, x: torch.Tensor, avg: torch.Tensor,
     return out
 
 
-class SimComm:
+class SimComm(FixedMembership):
     """Comm for W workers held in one process; every exchange is a few tensor ops."""
 
     def __init__(self, num_workers: int) -> None:
@@ -86,22 +82,6 @@ class SimComm:
 
     def on_step(self, step: int) -> None:
         """Nothing to report: every worker lives in this process."""
-
-    def take_observed(self) -> list[tuple[int, LinkSample]]:
-        """Nothing: the masks that applied are the drawn ones."""
-        return []
-
-    def take_membership(self) -> list[tuple[int, torch.Tensor]]:
-        """Nothing: the failure schedule is the membership."""
-        return []
-
-    def take_admitted(self) -> tuple[int, ...]:
-        """Nothing: the failure schedule says who rejoins."""
-        return ()
-
-    def welcome(self, joiners: Sequence[int], snapshot: dict[str, Any]) -> None:
-        """Never called (:meth:`take_admitted` admits no one)."""
-        raise RuntimeError("the simulator takes no process back: its failure schedule says who rejoins")
 
     def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
         """Nothing: the simulator's losses are drawn, not observed."""
