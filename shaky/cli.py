@@ -94,8 +94,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"shaky: error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+class _Version(argparse.Action):
+    """``--version``: shaky's, torch's and Python's versions (:func:`shaky.rundir.versions`, which summary.json
+    records too), looked up only when asked (every rank parses the command line)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print shaky's, torch's and Python's versions and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from shaky.rundir import versions  # noqa: PLC0415 (no torch)
+
+        v = versions()
+        print(f"shaky {v['shaky']} (torch {v['torch']}, Python {v['python']})")   # stdout, as argparse's own
+        parser.exit(0)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shaky", description="Distributed training over bad networks.")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser("train", help="train one run (simulator by default)")

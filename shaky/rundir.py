@@ -402,6 +402,9 @@ class Summary:
     udp: dict[str, Any] | None = None
     """dist.transport udp: the datagrams of the run, every rank's summed (sent, received, the observed loss
     rate 1 - received / expected, late, rejected, phases closed by their deadline); None otherwise."""
+    versions: dict[str, str] | None = None
+    """shaky, torch and Python of the process that wrote it (:func:`versions`; rank 0's on the dist backend);
+    None in a summary written before shaky recorded them."""
 
     @staticmethod
     def from_run(cfg: RunConfig, last: dict[str, Any], counters: Counters, *, compute_ms: float,
@@ -428,7 +431,7 @@ class Summary:
             trace=str(Path(cfg.network.trace).resolve()) if cfg.network.trace else "",
             transport=cfg.dist.transport if cfg.backend == "dist" else "", udp=udp or None,
             wait_s=round(counters.wait_s, 6) if cfg.backend == "dist" else None,
-            sim_wait_s=round(counters.sim_wait_s, 6))
+            sim_wait_s=round(counters.sim_wait_s, 6), versions=versions())
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values; a number that is not finite (a diverged run's loss) becomes None, since
@@ -439,6 +442,21 @@ class Summary:
 
     def write(self, run_dir: Path) -> None:
         write_json(run_dir / SUMMARY_FILE, self.to_dict())
+
+
+def versions() -> dict[str, str]:
+    """The versions of shaky, torch and Python here, from the installed packages' metadata (torch is not
+    imported); "not installed" for a package that has none (shaky run from a source tree)."""
+    import platform  # noqa: PLC0415
+    from importlib import metadata  # noqa: PLC0415
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {"shaky": installed("shaky"), "torch": installed("torch"), "python": platform.python_version()}
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:

@@ -585,3 +585,22 @@ def test_demo(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
         steps = [json.loads(r)["step"] for r in (out / name / "metrics.jsonl").read_text().splitlines()]
         assert steps == list(range(21))  # eval_every = steps // 20 = 1
     assert not (cwd / "runs").exists()
+
+
+def test_version_names_shaky_torch_and_python_and_a_summary_records_them(tmp_path: Path) -> None:
+    """``shaky --version`` prints the installed versions in one line, status 0, without loading torch; a run's
+    summary.json carries the same versions."""
+    import platform  # noqa: PLC0415
+    from importlib import metadata  # noqa: PLC0415
+
+    proc = subprocess.run([sys.executable, "-c", "import sys; from shaky.cli import main\n"
+                           "try:\n    main(['--version'])\nexcept SystemExit as e:\n"
+                           "    print('torch loaded' if 'torch' in sys.modules else 'no torch', e.code)"],
+                          capture_output=True, text=True, timeout=60)
+    expected = {"shaky": metadata.version("shaky"), "torch": metadata.version("torch"),
+                "python": platform.python_version()}
+    assert proc.stdout.splitlines() == [
+        f"shaky {expected['shaky']} (torch {expected['torch']}, Python {expected['python']})", "no torch 0"], proc
+    assert main(["train", "--workers", "2", "--steps", "4", "--eval-every", "2", "--quiet", "--out",
+                 str(tmp_path / "run")]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["versions"] == expected
