@@ -39,6 +39,8 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":   # the installed package's, as `shaky --version` prints it
+        return importlib.import_module("shaky.rundir").versions()["shaky"]
     if name not in _EXPORTS:
         raise AttributeError(f"module 'shaky' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)

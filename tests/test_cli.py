@@ -587,9 +587,11 @@ def test_demo(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert not (cwd / "runs").exists()
 
 
-def test_version_names_shaky_torch_and_python_and_a_summary_records_them(tmp_path: Path) -> None:
-    """``shaky --version`` prints the installed versions in one line, status 0, without loading torch; a run's
-    summary.json carries the same versions."""
+def test_versions_are_the_same_on_the_command_line_in_the_api_and_in_a_summary(tmp_path: Path) -> None:
+    """``shaky --version`` prints the installed shaky, torch and Python in one line, status 0, without loading
+    torch; ``shaky.__version__`` is that shaky, and a run's summary.json carries the same versions."""
+    import shaky  # noqa: PLC0415
+
     import platform  # noqa: PLC0415
     from importlib import metadata  # noqa: PLC0415
 
@@ -604,3 +606,4 @@ def test_version_names_shaky_torch_and_python_and_a_summary_records_them(tmp_pat
     assert main(["train", "--workers", "2", "--steps", "4", "--eval-every", "2", "--quiet", "--out",
                  str(tmp_path / "run")]) == 0
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["versions"] == expected
+    assert shaky.__version__ == expected["shaky"]
