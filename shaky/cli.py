@@ -474,10 +474,8 @@ def _check_taken_back(cfg: Any, setup: Any, run: dict[str, Any], rank: int) -> N
     (sealed with the run's key): the record it started from came from the rendezvous store, which anyone can
     write (ForgedRecord, status 3: it leaves the run before its model is averaged)."""
     from shaky.comm.dist import ForgedRecord  # noqa: PLC0415
-    from shaky.config import to_dict  # noqa: PLC0415
+    from shaky.config import machine_settings, to_dict  # noqa: PLC0415
     from shaky.setup import inputs_digest  # noqa: PLC0415
-
-    from shaky.config import machine_settings  # noqa: PLC0415
 
     differs = first_difference(json.loads(json.dumps(to_dict(cfg))), run.get("config"), ignore=MACHINE_SETTINGS)
     if differs is not None:

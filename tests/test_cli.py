@@ -590,10 +590,10 @@ def test_demo(cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_versions_are_the_same_on_the_command_line_in_the_api_and_in_a_summary(tmp_path: Path) -> None:
     """``shaky --version`` prints the installed shaky, torch and Python in one line, status 0, without loading
     torch; ``shaky.__version__`` is that shaky, and a run's summary.json carries the same versions."""
-    import shaky  # noqa: PLC0415
-
     import platform  # noqa: PLC0415
     from importlib import metadata  # noqa: PLC0415
+
+    import shaky  # noqa: PLC0415
 
     proc = subprocess.run([sys.executable, "-c", "import sys; from shaky.cli import main\n"
                            "try:\n    main(['--version'])\nexcept SystemExit as e:\n"
