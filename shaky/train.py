@@ -20,12 +20,13 @@ from typing import Any, Callable
 
 import torch
 
-from shaky.comm.base import Comm, Done, MeanHandle, on_device
+from shaky.comm.base import Comm, Done, MeanHandle, Observed, observer, on_device
 from shaky.comm.sim import SimComm
 from shaky.config import RunConfig, to_dict
 from shaky.data import shard_summary
 from shaky.inject import FaultInjector, InterruptedRun
 from shaky.interrupt import SignalWatch, Stopped
+from shaky.membership import Members, owner_for
 from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule, Membership, Round
 from shaky.network.model import LinkSample, MaskLog, TraceNetwork, load_trace, save_trace
@@ -120,18 +121,19 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     comm = comm or SimComm(cfg.num_workers)
     sampler = BatchSampler(setup.shards, comm.rows.tolist(), cfg.worker_batch_sizes(), cfg.seed)
     batch_mask = sampler.mask.to(setup.device, setup.dtype)
-    members = FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps, sample_weights(cfg))
+    members = owner_for(comm, FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps, sample_weights(cfg)))
+    seen = observer(comm)
     clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms,
-                  exchange_compute_ms=cfg.network.exchange_compute_ms, control_round_trips=comm.control_round_trips)
-    masks = _Masks(MaskLog(cfg.num_workers, cfg.steps), observing=_observes_losses(cfg))
+                  exchange_compute_ms=cfg.network.exchange_compute_ms, control_round_trips=seen.control_round_trips)
+    masks = _Masks(MaskLog(cfg.num_workers, cfg.steps), seen, observing=_observes_losses(cfg))
     last: dict[str, Any] | None = None     # a resumed run's last evaluation
     if welcome is not None:
-        params, state, counters = _rejoin(setup, welcome, clock, masks, members)
+        params, state, counters = _rejoin(setup, welcome, clock, masks, members.schedule)
     else:
         params, state, counters, last = _start(setup, run_dir, comm, clock, masks, resume=resume, writer=writer)
     t_start = time.perf_counter()
     bar = Progress(cfg.steps, counters.step, label, progress and writer)
-    metrics = _Metrics(setup, members, comm, run_dir, bar, writer, counters, t_start, last)
+    metrics = _Metrics(setup, members.schedule, comm, run_dir, bar, writer, counters, t_start, last)
     if counters.step == 0:
         metrics.log(params, None, None)
     with SignalWatch(announce=writer and progress) as signals:
@@ -141,16 +143,16 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     _checkpoint(setup, run_dir, comm, params, state, counters, clock, masks, writer, t_start, trace=True,
                 transport_before=metrics.transport_before)
     # transport_stats is a collective on the dist backend: every rank calls it.
-    udp = comm.transport_stats(metrics.transport_before)
+    udp = seen.transport_stats(metrics.transport_before)
     if udp.get("membership_changes"):   # the run's membership as failures, which the simulator replays
-        udp["failures"] = members.failures
+        udp["failures"] = members.schedule.failures
     summary = metrics.summary(udp=udp)
     if writer:
         summary.write(run_dir)
     return summary.to_dict()
 
 
-def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Tensor, members: FailureSchedule,
+def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Tensor, members: Members,
           clock: Clock, masks: _Masks, params: torch.Tensor, state: Any, counters: Counters, metrics: _Metrics,
           bar: Progress, faults: FaultInjector | None, signals: SignalWatch) -> tuple[torch.Tensor, Any]:
     """The steps from ``counters.step`` to the end (or to a stop on a signal, which raises Stopped)."""
@@ -161,16 +163,18 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
         step = counters.step
         if faults is not None:  # before on_step: a rank that fails at step s never reports reaching it
             faults.check(step, rank)
-        comm.on_step(step)
-        joiners = comm.take_admitted()
-        if joiners:     # they take part in the next control round: nothing of the survivors' may ride in it
+
+        def handover(joiners: tuple[int, ...]) -> dict[str, Any]:
+            # The joiners take part in the next control round: nothing of the survivors' may ride in it.
+            nonlocal state
             losses.take(counters, settle=True)
-        state = _welcome(joiners, comm, members, clock, masks, counters, state, setup)
-        for at, live in comm.take_membership():   # a real transport's survivors left a dead rank out or took one back
-            members.observe(at, live)
-        rnd = Round(step, setup.network.sample(step), members.membership(step))
+            state = map_rows(state, lambda t: t)     # every exchange in flight, completed
+            return _handover(members.schedule, clock, masks, counters, state, setup)
+
+        turn = members.step(step, handover)   # who is in this step (and who is taken back at its start)
+        rnd = Round(step, setup.network.sample(step), turn.members)
         if rnd.members.any_rejoined:  # a returning worker takes the live workers' average model and state
-            params, state = _take_back(rnd.members, members.live(step - 1), comm, params, state)
+            params, state = _take_back(rnd.members, members.schedule.live(step - 1), comm, params, state)
         evaluating = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
         idx = on_device(sampler.indices(step), x_train.device)
         live_weights = None if rnd.members.all_live else rnd.members.live.to(params.dtype)
@@ -180,7 +184,7 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
                                                     on_losses=lambda step_losses: losses.start(step_losses,
                                                                                                live_weights))
         masks.record(step, rnd.links, stats, counters)
-        masks.settle(comm, counters)
+        masks.settle(counters)
 
         counters.step = step + 1
         counters.sim_time_s = clock.advance(stats.phases, stats.delay)
@@ -219,21 +223,17 @@ def _take(data: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return data.index_select(0, idx.reshape(-1)).view(*idx.shape, *data.shape[1:])
 
 
-def _welcome(joiners: tuple[int, ...], comm: Comm, members: FailureSchedule, clock: Clock, masks: _Masks,
-             counters: Counters, state: Any, setup: Setup) -> Any:
-    """Processes started again for dead ranks, which the survivors agreed to take back, join at this step's
-    start: the exchanges in flight complete among the survivors (each a collective, walked in the same order
-    on every rank), then the joiners get what a checkpoint holds, less the model (:func:`_take_back` gives
-    them the live workers' average of it and of their state), and the run's config and data digests (``run``),
-    which a joiner checks its own against: the record it started from came from an unauthenticated store."""
-    if not joiners:
-        return state
-    state = map_rows(state, lambda t: t)
-    masks.settle(comm, counters)
-    comm.welcome(joiners, {"counters": dict(vars(counters)), "clock": clock.state, "masks": masks.log.packed(),
-                           "failures": members.failures, "state": map_rows(state, lambda t: t.cpu()),
-                           "run": {"config": to_dict(setup.cfg), "inputs": inputs_digest(setup)}})
-    return state
+def _handover(schedule: FailureSchedule, clock: Clock, masks: _Masks, counters: Counters, state: Any,
+              setup: Setup) -> dict[str, Any]:
+    """What processes started again for dead ranks, which the survivors agreed to take back, are handed at this
+    step's start (every exchange in flight has completed): what a checkpoint holds, less the model
+    (:func:`_take_back` gives them the live workers' average of it and of their state), and the run's config and
+    data digests (``run``), which a joiner checks its own against: the record it started from came from an
+    unauthenticated store."""
+    masks.settle(counters)
+    return {"counters": dict(vars(counters)), "clock": clock.state, "masks": masks.log.packed(),
+            "failures": schedule.failures, "state": map_rows(state, lambda t: t.cpu()),
+            "run": {"config": to_dict(setup.cfg), "inputs": inputs_digest(setup)}}
 
 
 def _take_back(joined: Membership, was_live: torch.Tensor, comm: Comm, params: torch.Tensor,
@@ -380,10 +380,10 @@ def _checkpoint(setup: Setup, run_dir: Path, comm: Comm, params: torch.Tensor, s
     skip it: it grows with the run, and writing it every time would make checkpoints quadratic)."""
     # Gathering the state waits for the exchanges still in flight: their masks and losses are then known.
     full_params, full_state = comm.gather(params), map_rows(state, comm.gather)
-    masks.settle(comm, counters)
+    masks.settle(counters)
     observed = _observes_losses(setup.cfg)
     if observed:
-        counters.transport = comm.transport_stats(transport_before)
+        counters.transport = masks.seen.transport_stats(transport_before)
     if writer and observed:   # first: a checkpoint always has the masks of the rounds before it
         save_trace(run_dir, masks.log.packed(), setup.cfg.num_workers)
     if writer:
@@ -401,11 +401,11 @@ class _Masks:
 
     A step records the masks drawn for it; on a transport that observes its losses (udp) they are replaced by
     what arrived once the step's exchange completes, which for an exchange running in the background is steps
-    later (``Comm.take_observed``), and only then are its lost messages counted.
+    later (``Observed.take_observed``), and only then are its lost messages counted.
     """
 
-    def __init__(self, log: MaskLog, *, observing: bool) -> None:
-        self.log, self.observing = log, observing
+    def __init__(self, log: MaskLog, seen: Observed, *, observing: bool) -> None:
+        self.log, self.seen, self.observing = log, seen, observing
         self._launched: dict[int, tuple[StepStats, LinkSample]] = {}
 
     def record(self, step: int, drawn: LinkSample, stats: StepStats, counters: Counters) -> None:
@@ -417,9 +417,9 @@ class _Masks:
         else:                                                 # a reliable one (gloo) loses nothing
             counters.messages_dropped += stats.messages_dropped
 
-    def settle(self, comm: Comm, counters: Counters) -> None:
+    def settle(self, counters: Counters) -> None:
         """Takes in the observed masks of the exchanges that completed since the last call."""
-        for step, seen in comm.take_observed():
+        for step, seen in self.seen.take_observed():
             self.log.put(step, seen)
             launched = self._launched.pop(step, None)
             if launched is not None:

@@ -13,7 +13,6 @@ block into segments (see :meth:`Comm.block_average`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
@@ -102,37 +101,58 @@ class Done(NamedTuple):
         return self.value
 
 
-class FixedMembership:
-    """:class:`Comm`'s membership methods for a backend whose membership is the failure schedule's (the
-    simulator; gloo, where a dead rank stops every rank): the drawn masks are the ones that applied, no
-    survivors agree on a change, and no process is taken back. The udp transport overrides them all."""
+class Observed(Protocol):
+    """A transport whose losses are observed, not drawn (udp): what really arrived, and what it counted. The
+    simulator and gloo are not one: their drawn masks are the ones that applied (:data:`DRAWN` stands in)."""
+
+    control_round_trips: int
+    """Round trips to a control store that rank 0 hosts, which every exchange waits for after its messages: 2
+    on the udp transport with live membership (its masks' agreement), 0 without. The simulated clock counts
+    them (``shaky.network.clock.control_round_seconds``)."""
+
+    def take_observed(self) -> list[tuple[int, LinkSample]]:
+        """The masks observed for the exchanges that completed since the last call, each with the step that
+        launched it (a background exchange completes steps later)."""
+        ...
+
+    def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
+        """What the transport counted over the run, summed over the ranks (a collective), added to ``before``
+        (the table at the checkpoint a run was resumed from)."""
+        ...
+
+
+class _Drawn:
+    """:class:`Observed` for a backend whose masks are drawn (the simulator, gloo): nothing observed, nothing
+    counted, no control round."""
+
+    control_round_trips = 0
 
     def take_observed(self) -> list[tuple[int, LinkSample]]:
         return []
 
-    def take_membership(self) -> list[tuple[int, torch.Tensor]]:
-        return []
+    def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
+        return {}
 
-    def take_admitted(self) -> tuple[int, ...]:
-        return ()
 
-    def welcome(self, joiners: Sequence[int], snapshot: dict[str, Any]) -> None:
-        """Never called (:meth:`take_admitted` admits no one)."""
-        raise RuntimeError(f"{type(self).__name__} takes no process back: its membership is the failure "
-                           "schedule's (only the udp transport takes a rank back)")
+DRAWN: Observed = _Drawn()
+
+
+def observer(comm: object) -> Observed:
+    """``comm`` itself where its losses are observed (it has ``take_observed``), else :data:`DRAWN`."""
+    return comm if hasattr(comm, "take_observed") else DRAWN  # type: ignore[return-value]
 
 
 class Comm(Protocol):
+    """What a strategy moves between workers, and nothing else: exact means, RPS's block average (started, then
+    completed), gathers and broadcasts. Who is in a step is :mod:`shaky.membership`'s; what a lossy transport
+    observed is :class:`Observed`'s."""
+
     num_workers: int
     """W, the number of workers in the whole run."""
     rows: torch.Tensor
     """int64 [w]: the global worker index of each local row."""
     wait_s: float
     """Seconds spent blocked waiting for exchanges (0 where they complete at once, as in the simulator)."""
-    control_round_trips: int
-    """Round trips to a control store that rank 0 hosts, which every exchange waits for after its messages: 2
-    on the udp transport with live membership (its masks' agreement), 0 elsewhere. The simulated clock counts
-    them (``shaky.network.clock.control_round_seconds``)."""
 
     def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Exact average over all W workers (a reliable all-reduce), returned on every local row.
@@ -140,37 +160,6 @@ class Comm(Protocol):
         ``weights`` (float [W], global) weighs each worker's row: 0 leaves a dead worker
         out, a batch size weighs by samples. None is the plain mean.
         """
-        ...
-
-    def on_step(self, step: int) -> None:
-        """Called before each step: the dist backend records progress there (for failure reports)."""
-        ...
-
-    def take_observed(self) -> list[tuple[int, LinkSample]]:
-        """The masks a real lossy transport (udp) observed for the exchanges that completed since the last call,
-        each with the step that launched it (a background exchange completes steps later); empty where the
-        masks are drawn (the simulator, gloo), since the drawn ones are what applied."""
-        ...
-
-    def take_membership(self) -> list[tuple[int, torch.Tensor]]:
-        """Membership changes a real transport's survivors agreed on since the last call, as (the step from
-        which it holds, bool [W] live); empty where the failure schedule is the membership."""
-        ...
-
-    def take_admitted(self) -> tuple[int, ...]:
-        """Ranks started again for dead ones that a real transport's survivors agreed (in the last step) to take
-        back: :meth:`welcome` them at this step's start. Empty where the failure schedule is the membership."""
-        ...
-
-    def welcome(self, joiners: Sequence[int], snapshot: dict[str, Any]) -> None:
-        """Takes ``joiners`` (from :meth:`take_admitted`) back from this step, handing them ``snapshot``, the
-        training loop's state (every live rank calls it, with no exchange in flight)."""
-        ...
-
-    def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
-        """What a real lossy transport counted over the run, summed over the ranks (a collective on the dist
-        backend), added to ``before`` (the table at the checkpoint a run was resumed from); empty where the
-        losses are drawn."""
         ...
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,9 +172,9 @@ class Comm(Protocol):
         simulator."""
         ...
 
-    def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
-                      weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
-                      overwrite: bool = False, segment_bytes: int = 0) -> torch.Tensor:
+    def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                            weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
+                            overwrite: bool = False, segment_bytes: int = 0) -> Handle:
         """The two-phase exchange of RPS (Yu et al. 2019) over a lossy network.
 
         x [w, D] is cut into W blocks; block j is served by worker ``servers[j]``
@@ -203,13 +192,9 @@ class Comm(Protocol):
 
         ``overwrite``: the caller gives ``x`` up, so the result may be written into
         its storage (and ``x`` returned) instead of a new tensor.
-        """
-        ...
 
-    def start_block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
-                            weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
-                            overwrite: bool = False, segment_bytes: int = 0) -> Handle:
-        """:meth:`block_average`, started: the handle's ``wait()`` gives its result."""
+        The handle's ``wait()`` gives the result (each comm also has ``block_average``: started and waited for).
+        """
         ...
 
     def start_mean(self, x: torch.Tensor, weights: torch.Tensor | None = None, *,

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from shaky.comm.base import Done, FixedMembership, block_sizes
+from shaky.comm.base import Done, block_sizes
 from shaky.comm.udp import (AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, bind_first_free,
                             python_path_warning)
 from shaky.config import DistConfig
@@ -149,7 +149,7 @@ class _Taken(NamedTuple):
     """What the round's submitter had it carry back (an exchange's result)."""
 
 
-class DistComm(FixedMembership):
+class DistComm:
     """Comm for one worker per torch.distributed process (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self, *, heartbeat: bool = False, joining: JoinStore | None = None) -> None:
@@ -170,7 +170,6 @@ class DistComm(FixedMembership):
         self._data_thread: ThreadPoolExecutor | None = None
         self.wait_s = 0.0
         """Seconds spent blocked waiting for exchanges (a gloo block average blocks for all of it)."""
-        self.control_round_trips = 0
         # A heartbeat in the rendezvous store, from a thread: after a collective fails, the ranks whose
         # heartbeat stopped are the ones that died (a kill -9, a crash, a SIGSTOP), whatever step they reached.
         self._beating = threading.Event()
@@ -274,10 +273,6 @@ class DistComm(FixedMembership):
     def barrier(self) -> None:
         """Every rank got here."""
         dist.barrier()
-
-    def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
-        """What the data plane counted over the run, summed over the ranks (a collective): nothing on gloo."""
-        return {}
 
     def diagnose_failure(self, timeout_s: float) -> tuple[int, int] | None:
         """After a collective failed: which rank stopped, and after which step.
@@ -1293,6 +1288,12 @@ class UdpDistComm(DistComm):
         """With live membership, the control store: a request a step to the rendezvous store, which torchrun's
         agent may host, would wait out TCP's 200 ms after each lost answer (:class:`_ControlStore`)."""
         return self._store if self._quorum is None else self._quorum.store
+
+    @property
+    def agreement(self) -> UdpDistComm | None:
+        """With live membership, what the survivors agree on (``shaky.membership.Agreement``: changes of the live
+        ranks, ranks taken back), which :class:`shaky.membership.Agreed` takes in; None without."""
+        return None if self._quorum is None else self
 
     def on_step(self, step: int) -> None:
         super().on_step(step)

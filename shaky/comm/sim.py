@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from shaky.comm import native
-from shaky.comm.base import Done, FixedMembership, block_sizes, on_device, segment_counts, segment_length
+from shaky.comm.base import Done, block_sizes, on_device, segment_counts, segment_length
 
 
 @lru_cache(maxsize=64)
@@ -50,13 +50,12 @@ def _take_where_delivered(out: torch.Tensor, x: torch.Tensor, avg: torch.Tensor,
     return out
 
 
-class SimComm(FixedMembership):
+class SimComm:
     """Comm for W workers held in one process; every exchange is a few tensor ops."""
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
         self.wait_s = 0.0   # every exchange completes when it starts
-        self.control_round_trips = 0
         self.rows = torch.arange(num_workers)
 
     def mean(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,13 +78,6 @@ class SimComm(FixedMembership):
                             overwrite: bool = False, segment_bytes: int = 0) -> Done:
         return Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite,
                                        segment_bytes=segment_bytes))
-
-    def on_step(self, step: int) -> None:
-        """Nothing to report: every worker lives in this process."""
-
-    def transport_stats(self, before: dict[str, int | float] | None = None) -> dict[str, int | float]:
-        """Nothing: the simulator's losses are drawn, not observed."""
-        return {}
 
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
