@@ -1,6 +1,6 @@
 """The one compiled part of shaky, optional: shaky/comm/_fastpath.c, the UDP data plane's per-datagram work, the
 copies that end the simulator's block average, the delivery masks' seeded draws and the sampler's permutations
-(loaded with ctypes by shaky/comm/native.py; shaky/comm/udp.py, shaky/comm/sim.py, shaky/network/model.py and
+(loaded with ctypes by shaky/native.py; shaky/comm/udp.py, shaky/comm/sim.py, shaky/network/model.py and
 shaky/sampler.py do the same in Python, torch and numpy where it was not built). It needs a C compiler
 and OpenSSL's libcrypto with its headers (Debian: libssl-dev); without them the install goes on without it
 and says so."""

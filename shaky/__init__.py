@@ -21,7 +21,7 @@ _EXPORTS = {
     "NetworkConfig": "shaky.config", "RunConfig": "shaky.config", "config_from_dict": "shaky.config",
     "load_toml": "shaky.config",
     "FaultInjector": "shaky.inject",
-    "LinkSample": "shaky.network.model", "NetworkModel": "shaky.network.model",
+    "LinkSample": "shaky.geometry", "NetworkModel": "shaky.network.model",
     "Membership": "shaky.network.faults",
     "Clock": "shaky.network.clock",
     "Schedule": "shaky.schedule",

@@ -26,6 +26,7 @@ from shaky.config import MACHINE_SETTINGS, MAX_SCALE_PERIOD, first_difference
 from shaky.interrupt import exiting
 from shaky.launch import EXIT_BAD_INPUT, EXIT_DIVERGED, MAX_RESTARTS_ENV  # no torch (the launcher reads them)
 from shaky.progress import say
+from shaky.rundir import SUMMARY_FILE  # no torch
 
 BAD_INPUT_GRACE_S = 2.0
 """Under torchrun, how long a rank other than 0 waits before it exits on bad input (rank 0 prints the line)."""
@@ -190,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sweep = sub.add_parser("sweep", help="run a grid of runs from TOML files, in parallel, resumable",
                            description="Runs every combination of a sweep file's [grid] on top of its [base], "
-                           "one process per core; finished runs (summary.json) are skipped, so an interrupted "
+                           f"one process per core; finished runs ({SUMMARY_FILE}) are skipped, so an interrupted "
                            "sweep resumes. Runs go to OUT/<file stem>/<key=value,...>.")
     sweep.add_argument("files", nargs="+", metavar="FILE.toml", help="sweep files (experiments/*.toml)")
     sweep.add_argument("--out", metavar="DIR", default="runs/sweeps", help="where sweeps go (default runs/sweeps)")
@@ -1101,7 +1102,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise BadInput(f"report: {str(d)!r} is not a directory")
         if not (d / SWEEP_FILE).is_file() and not find_runs(d):
             raise BadInput(f"report: {str(d)!r} is neither a sweep directory ({SWEEP_FILE}) nor holds finished "
-                           "runs (summary.json)")
+                           f"runs ({SUMMARY_FILE})")
     out = Path(args.out)
     _no_file_below("--out", out)
     reproduction = Path(args.reproduction) if args.reproduction else None

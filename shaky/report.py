@@ -459,9 +459,9 @@ def sweep_plots(runs: SweepRuns, out_dir: Path) -> list[tuple[str, Path]]:
 
 def find_runs(path: Path) -> list[Path]:
     """``path`` if it is a run directory, else the run directories directly inside it."""
-    if (path / "summary.json").is_file():
+    if (path / SUMMARY_FILE).is_file():
         return [path]
-    return sorted(p for p in path.iterdir() if p.is_dir() and (p / "summary.json").is_file())
+    return sorted(p for p in path.iterdir() if p.is_dir() and (p / SUMMARY_FILE).is_file())
 
 
 def _rel(path: Path, start: Path) -> str:

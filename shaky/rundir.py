@@ -19,10 +19,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shaky.config import (MACHINE_SETTINGS, RunConfig, config_from_dict, first_difference, load_toml, to_dict,
                           to_toml)
+
+if TYPE_CHECKING:
+    import numpy as np
 
 CONFIG_FILE = "config.toml"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -337,6 +340,57 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
     if not isinstance(blob, dict) or not {"params", "state", "counters"} <= set(blob):
         raise ValueError(f"{path}: not a shaky checkpoint (params, state or counters missing)")
     return blob
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trace
+
+
+def save_trace(run_dir: Path, packed: dict[str, np.ndarray], num_workers: int) -> None:
+    """Writes the packed masks atomically into ``run_dir/trace.npz`` (:func:`atomic_write`).
+
+    The file holds ``up`` and ``down`` (see ``shaky.network.model.MaskLog``), ``num_workers``, ``num_segments``
+    (S) and ``segment_bytes``; a trace written before segments existed has neither and reads as S = 1, 0.
+    """
+    import numpy as np  # noqa: PLC0415 (keep this module light for the launcher)
+
+    segments = {"num_segments": np.int64(packed.get("num_segments", 1)),
+                "segment_bytes": np.int64(packed.get("segment_bytes", 0))}
+    atomic_write(Path(run_dir) / TRACE_FILE, lambda f: np.savez_compressed(
+        f, up=packed["up"], down=packed["down"], num_workers=np.int64(num_workers), **segments), "wb")
+
+
+def load_trace(path: str, num_workers: int, steps: int, *,
+               segment_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Reads a trace from a run directory (or a trace.npz file), checking it fits this run.
+
+    Returns the packed ``up`` and ``down`` rows ([rounds, S * ceil(W*W/8)] uint8, see
+    ``shaky.network.model.MaskLog``). With ``segment_bytes`` (this run's ``network.segment_bytes``), the trace
+    must have been recorded with it.
+    """
+    import numpy as np  # noqa: PLC0415
+
+    p = Path(path)
+    f = p / TRACE_FILE if p.is_dir() else p
+    try:
+        with np.load(f) as z:
+            up, down, w = z["up"], z["down"], int(z["num_workers"])
+            num_segments = int(z["num_segments"]) if "num_segments" in z else 1
+            recorded_bytes = int(z["segment_bytes"]) if "segment_bytes" in z else 0
+    except (OSError, KeyError, ValueError) as exc:
+        raise ValueError(f"network.trace: cannot read a trace from {path!r} ({exc})") from None
+    if w != num_workers:
+        raise ValueError(f"network.trace {path!r} was recorded with {w} workers, but num_workers is {num_workers}")
+    if up.shape[0] < steps:
+        raise ValueError(f"network.trace {path!r} holds {up.shape[0]} rounds, fewer than steps = {steps}")
+    width = num_segments * ((w * w + 7) // 8)
+    if num_segments < 1 or up.ndim != 2 or up.shape[1] != width or down.shape != up.shape:
+        raise ValueError(f"network.trace {path!r}: up {list(up.shape)} and down {list(down.shape)} are not the "
+                         f"packed masks of {w} workers and {num_segments} segments per block (rows of {width} bytes)")
+    if segment_bytes is not None and segment_bytes != recorded_bytes:
+        raise ValueError(f"network.trace {path!r} was recorded with network.segment_bytes = {recorded_bytes}, "
+                         f"but network.segment_bytes is {segment_bytes}")
+    return up, down
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shaky.comm import native
+from shaky import native
 
 # Keeps the mini-batch stream apart from the other streams seeded by the run seed.
 _BATCH_STREAM = 0x626174

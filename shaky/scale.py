@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from shaky.config import RunConfig, config_from_dict
+from shaky.geometry import LinkSample
 from shaky.network.clock import Clock, PhaseTraffic, hiding_period, scalability
-from shaky.network.model import LinkSample, NetworkModel, link_matrices
+from shaky.network.model import NetworkModel, link_matrices
 from shaky.network.presets import region_of_workers
 from shaky.strategies.exchange import block_exchange_traffic, ring_allreduce_traffic
 

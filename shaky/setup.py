@@ -26,8 +26,9 @@ from shaky.comm.base import Comm
 from shaky.config import RunConfig
 from shaky.data import Dataset, assign_chunks, load_dataset, partition
 from shaky.models import FlatParams, build_model
-from shaky.network.model import NetworkModel, TraceNetwork, load_trace
+from shaky.network.model import NetworkModel, TraceNetwork
 from shaky.progress import say
+from shaky.rundir import load_trace
 from shaky.strategies import Strategy, build_strategy
 from shaky.vectorized import make_functions, worker_logits
 

@@ -54,9 +54,6 @@ SWEEP_FILE = "sweep.toml"
 """The resolved sweep (grid, claims, plots) saved in the sweep directory, for ``shaky report``."""
 KINDS = ("train", "scale")
 _TOP_KEYS = ("description", "kind", "base", "grid", "labels", "claim", "plot", "table")
-# What a run directory may hold; anything else makes the sweep refuse to delete it.
-_RUN_FILES = RUN_FILES
-_CONFIG_FILE, _SUMMARY_FILE, _CHECKPOINT_FILE = CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_FILE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -379,7 +376,7 @@ def run_status(run_dir: Path, values: dict[str, Any]) -> str:
         return "fresh"
     if not run_dir.is_dir():
         raise ValueError(f"{str(run_dir)!r} is a file, not a run directory")
-    config_path = run_dir / _CONFIG_FILE
+    config_path = run_dir / CONFIG_FILE
     if config_path.is_file():
         try:
             saved = tomllib.loads(config_path.read_text())
@@ -388,11 +385,11 @@ def run_status(run_dir: Path, values: dict[str, Any]) -> str:
         if saved is not None and saved != values:
             raise ValueError(f"{str(run_dir)!r} holds a run of another config ({_first_difference(saved, values)}); "
                              "delete it or sweep into another --out")
-        if saved is not None and (run_dir / _SUMMARY_FILE).is_file():
+        if saved is not None and (run_dir / SUMMARY_FILE).is_file():
             return "done"
-        if saved is not None and (run_dir / _CHECKPOINT_FILE).is_file():
+        if saved is not None and (run_dir / CHECKPOINT_FILE).is_file():
             return "resume"
-    stray = sorted(p.name for p in run_dir.iterdir() if p.name not in _RUN_FILES)
+    stray = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES)
     if stray:
         raise ValueError(f"{str(run_dir)!r} is unfinished but holds {stray[0]!r}, which a run never writes; "
                          "move it away or delete the directory")
@@ -457,7 +454,7 @@ def _clear_run_dir(run_dir: Path) -> None:
     """Deletes a half-written run directory (only files a run writes; checked by ``run_status``)."""
     if run_dir.exists():
         for p in run_dir.iterdir():
-            if p.name in _RUN_FILES and p.is_file():
+            if p.name in RUN_FILES and p.is_file():
                 p.unlink()
         run_dir.rmdir()
 
@@ -525,7 +522,7 @@ def _execute_scale(cfg: RunConfig, scale_cfg: ScaleConfig, run_dir: Path) -> dic
 
     t0 = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / _CONFIG_FILE).write_text(tomli_w.dumps(resolved_values(cfg, scale_cfg)))
+    (run_dir / CONFIG_FILE).write_text(tomli_w.dumps(resolved_values(cfg, scale_cfg)))
     work = scale.Workload(scale_cfg.num_params, cfg.network.compute_ms)
     latency = scale_cfg.wan_latency_ms if scale_cfg.wan_latency_ms >= 0 else None
     # Recommended for the network as configured, then kept at every swept latency (as a deployment would).
@@ -541,7 +538,7 @@ def _execute_scale(cfg: RunConfig, scale_cfg: ScaleConfig, run_dir: Path) -> dic
                "exchange_s": scale.exchange_seconds(cfg.strategy.name, cfg, work, latency),
                "wan_latency_ms": scale_cfg.wan_latency_ms, "compute_ms": cfg.network.compute_ms,
                "num_params": scale_cfg.num_params, "wall_time_s": time.perf_counter() - t0}
-    write_json(run_dir / _SUMMARY_FILE, summary)
+    write_json(run_dir / SUMMARY_FILE, summary)
     return summary
 
 

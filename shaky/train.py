@@ -24,16 +24,17 @@ from shaky.comm.base import Comm, Done, MeanHandle, Observed, observer, on_devic
 from shaky.comm.sim import SimComm
 from shaky.config import RunConfig, to_dict
 from shaky.data import shard_summary
+from shaky.geometry import LinkSample
 from shaky.inject import FaultInjector, InterruptedRun
 from shaky.interrupt import SignalWatch, Stopped
 from shaky.membership import Members, owner_for
 from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule, Membership, Round
-from shaky.network.model import LinkSample, MaskLog, TraceNetwork, load_trace, save_trace
+from shaky.network.model import MaskLog, TraceNetwork
 from shaky.progress import Progress
 from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, append_metrics, create, load_checkpoint,
-                          load_run_config, new_run_dir, read_metrics, record_start, save_checkpoint,
-                          truncate_metrics)
+                          load_run_config, load_trace, new_run_dir, read_metrics, record_start, save_checkpoint,
+                          save_trace, truncate_metrics)
 from shaky.sampler import BatchSampler
 from shaky.setup import Setup, evaluate, inputs_digest, prepare, start_gradient_diversity
 from shaky.strategies import AverageModels, Strategy, sample_weights

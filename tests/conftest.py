@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from shaky.config import RunConfig, config_from_dict
+from shaky.geometry import LinkSample
 from shaky.inject import Fault, FaultInjector
 from shaky.launch import free_port  # noqa: F401 (the tests import it from here)
 from shaky.models import build_model
 from shaky.network.faults import Membership, Round
-from shaky.network.model import LinkSample
 from shaky.rundir import load_checkpoint
 from shaky.train import BatchSampler, prepare, read_metrics, train
 

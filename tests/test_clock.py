@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from shaky.config import NetworkConfig, config_from_dict
+from shaky.geometry import LinkSample
 from shaky.network.clock import Clock, ClockState, PhaseTraffic, hiding_period, scalability
-from shaky.network.model import LinkSample, NetworkModel
+from shaky.network.model import NetworkModel
 from shaky.network.presets import REGION_RTT_MS, region_of_workers
 from shaky.scale import Workload, exchange_seconds, recommended_period, strategy_scalability
 from shaky.strategies.exchange import block_exchange_traffic, ring_allreduce_traffic

@@ -10,7 +10,7 @@ import torch
 from shaky.cli import main
 from shaky.comm.sim import SimComm
 from shaky.config import OptimConfig, StrategyConfig
-from shaky.network.model import LinkSample
+from shaky.geometry import LinkSample
 from shaky.strategies import SGD, REGISTRY
 
 from conftest import everyone, make_config, run, stop_at

@@ -13,8 +13,8 @@ from shaky.cli import main
 from shaky.comm.sim import SimComm
 from shaky.config import FailureConfig
 from shaky.data import assign_chunks, coverage, partition
+from shaky.geometry import LinkSample
 from shaky.network.faults import FailureSchedule
-from shaky.network.model import LinkSample
 from shaky.rundir import load_checkpoint
 from shaky.setup import gradient_diversity
 from shaky.strategies.state import map_rows

@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from shaky.cli import main
-from shaky.network.model import load_trace
-from shaky.rundir import load_checkpoint
+from shaky.rundir import load_checkpoint, load_trace
 
 from conftest import finish, free_port, launch_ranks, make_config, run
 

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from shaky.comm import native
+from shaky import native
 from shaky.config import NetworkConfig
-from shaky.network.model import _NETWORK_STREAM, MaskLog, NetworkModel, TraceNetwork, load_trace, pack_masks, save_trace
+from shaky.network.model import _NETWORK_STREAM, MaskLog, NetworkModel, TraceNetwork, pack_masks
+from shaky.rundir import load_trace, save_trace
 
 
 def test_sample_is_a_pure_function_of_seed_and_round() -> None:

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from shaky.comm.base import block_sizes, segment_counts, segment_length
 from shaky.comm.sim import SimComm
 from shaky.config import NetworkConfig, RunConfig, config_from_dict
+from shaky.geometry import LinkSample, block_sizes, segment_counts, segment_length
 from shaky.network.clock import Clock, PhaseTraffic
 from shaky.network.faults import Membership, Round
-from shaky.network.model import (LinkSample, MaskLog, NetworkModel, TraceNetwork, load_trace, pack_masks,
-                                 save_trace)
-from shaky.rundir import load_checkpoint
+from shaky.network.model import MaskLog, NetworkModel, TraceNetwork, pack_masks
+from shaky.rundir import load_checkpoint, load_trace, save_trace
 from shaky.setup import Setup
 from shaky.strategies.exchange import block_exchange_traffic, lossy_block_average, ring_allreduce_traffic
 from shaky.train import prepare, read_metrics, train

@@ -7,7 +7,7 @@ from math import comb
 import pytest
 import torch
 
-from shaky.comm import native
+from shaky import native
 from shaky.comm.sim import SimComm
 from shaky.config import NetworkConfig, OptimConfig, StrategyConfig
 from shaky.network.model import NetworkModel

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from shaky.comm import native
+from shaky import native
 from shaky.comm.sim import SimComm
 from shaky.rundir import load_checkpoint
 from shaky.sampler import _mix, _permuted

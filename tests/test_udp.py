@@ -25,9 +25,9 @@ import pytest
 import torch
 
 import shaky.comm.udp as udp_module
-from shaky.comm.base import block_sizes
 from shaky.comm.udp import (FASTPATH, FINAL_DATAGRAMS, HEADER, OVERHEAD_BYTES, TAG_BYTES, AdaptiveDeadline,
                             UdpExchange, UdpOptions, _Mac)
+from shaky.geometry import block_sizes
 
 KEY = bytes(range(32))
 RUN = 7

@@ -166,7 +166,7 @@ void shaky_take_averages(uint8_t *out, const uint8_t *x, const uint8_t *avg, con
 
 /* numpy.random.default_rng(entropy).random(n) (float64), for the simulator's delivery masks (shaky.network.model),
  * which seed a fresh generator every round: numpy spends ~15 us a round building it in Python, this ~1 us.
- * The same numbers (tests/test_network.py draws both; shaky/comm/native.py checks once at load and leaves this
+ * The same numbers (tests/test_network.py draws both; shaky/native.py checks once at load and leaves this
  * unused if they ever differ): SeedSequence (O'Neill's seed_seq as numpy implements it: a pool of 4 words,
  * no spawn key) turns the entropy into the 256 bits that seed PCG64 (the 128-bit LCG with the XSL-RR output),
  * and each double is the top 53 bits of one output. The entropy is ``prefix`` (uint32 words) followed by each

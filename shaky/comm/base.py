@@ -6,9 +6,9 @@ global workers the local rows are, so a strategy indexes the global delivery
 masks with it and the same line of code runs on both backends.
 
 The delivery masks of a block exchange are bool [W, W] (one message per block)
-or, when the unit of loss is a datagram's segment, [W, W, S]: ``block_sizes``
-cuts a row into W blocks and ``segment_length``/``segment_counts`` cut each
-block into segments (see :meth:`Comm.block_average`).
+or, when the unit of loss is a datagram's segment, [W, W, S]: ``shaky.geometry``'s
+``block_sizes`` cuts a row into W blocks and ``segment_length``/``segment_counts``
+cut each block into segments (see :meth:`Comm.block_average`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from shaky.network.model import LinkSample
+    from shaky.geometry import LinkSample
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -31,32 +31,6 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device.type == "cpu" and device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
-
-
-def block_sizes(dim: int, num_blocks: int) -> list[int]:
-    """Splits ``dim`` values into ``num_blocks`` contiguous blocks as equal as possible (larger ones first)."""
-    base, extra = divmod(dim, num_blocks)
-    return [base + 1] * extra + [base] * (num_blocks - extra)
-
-
-def segment_length(segment_bytes: int, itemsize: int) -> int:
-    """Values per segment when a message is cut into segments of at most ``segment_bytes`` bytes.
-
-    ``max(1, segment_bytes // itemsize)`` (a value is never split); 0 when ``segment_bytes`` is 0, which
-    means no cut: a block travels as one message.
-    """
-    return max(1, segment_bytes // itemsize) if segment_bytes > 0 else 0
-
-
-def segment_counts(dim: int, num_blocks: int, seg_len: int) -> list[int]:
-    """S_j, the segments of each block of ``block_sizes(dim, num_blocks)``: ceil(n_j / seg_len) (1 if seg_len is 0).
-
-    Segment k of block j holds the block's values [k * seg_len, min((k + 1) * seg_len, n_j)). Segment-level
-    delivery masks are [W, W, S] with S = max(1, max_j S_j); entries with k >= S_j are padding (True).
-    """
-    if seg_len <= 0:
-        return [1] * num_blocks
-    return [-(-n // seg_len) for n in block_sizes(dim, num_blocks)]
 
 
 class Handle(Protocol):

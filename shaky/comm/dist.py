@@ -40,12 +40,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from shaky.comm.base import Done, block_sizes
+from shaky.comm.base import Done
 from shaky.comm.udp import (AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, bind_first_free,
                             python_path_warning)
 from shaky.config import DistConfig
+from shaky.geometry import LinkSample, block_sizes
 from shaky.progress import say
-from shaky.network.model import LinkSample
 
 
 HEARTBEAT_S = 0.25

@@ -8,19 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from shaky.comm import native
-from shaky.comm.base import Done, block_sizes, on_device, segment_counts, segment_length
-
-
-@lru_cache(maxsize=64)
-def _block_groups(dim: int, num_workers: int) -> tuple[tuple[int, int, int, int], ...]:
-    """The blocks of a ``[W, dim]`` exchange as groups of equal size, (first block, last + 1, first column, size):
-    blocks come in at most two sizes, larger ones first, so a group is a plain reshape ``[W, blocks, size]`` (no
-    gather, no Python loop over the workers). Empty blocks (dim < W) are left out."""
-    sizes = block_sizes(dim, num_workers)
-    big = sizes.count(sizes[0])
-    groups = [(0, big, 0, sizes[0]), (big, num_workers, big * sizes[0], sizes[-1])]
-    return tuple(g for g in groups if g[3] > 0 and g[1] > g[0])
+from shaky import native
+from shaky.comm.base import Done, on_device
+from shaky.geometry import block_groups, block_sizes, segment_counts, segment_length
 
 
 @lru_cache(maxsize=64)
@@ -101,7 +91,7 @@ class SimComm:
             up_f = up.to(x.dtype) if weights is None else up.to(x.dtype) * weights.to(x.dtype)[:, None]
             share = (up_f / up_f.sum(0)).T.unsqueeze(1).contiguous()
         # share: [servers, 1, senders], each arrival's weight in its server's average
-        groups = _block_groups(dim, w)
+        groups = block_groups(dim, w)
         # Every server's average of its block, side by side in one row (read before anything is written: ``out``
         # may be ``x``) ...
         avg = x.new_empty(dim)
@@ -148,7 +138,7 @@ class SimComm:
         share = up_f / up_f.sum(0)              # [senders, servers, segments]: each arrival's weight
         lost = ~down.transpose(0, 1)            # [workers, servers, segments]: the average did not come back
         out = x if overwrite and x.is_contiguous() else torch.empty_like(x)
-        for first, last, start, size in _block_groups(dim, w):
+        for first, last, start, size in block_groups(dim, w):
             nb = last - first
             stop = start + nb * size
             blocks = x[:, start:stop].view(w, nb, size)

@@ -103,8 +103,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shaky.comm.base import block_sizes, segment_counts, segment_length
-from shaky.comm.native import FASTPATH
+from shaky.geometry import block_sizes, segment_counts, segment_length
+from shaky.native import FASTPATH
 
 HEADER = struct.Struct("<2sBBBBHQQIII")
 _HEADER_DTYPE = np.dtype([("magic", "S2"), ("version", "u1"), ("phase", "u1"), ("dtype", "u1"), ("flags", "u1"),

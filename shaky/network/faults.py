@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from shaky.config import FailureConfig
-from shaky.network.model import LinkSample
+from shaky.geometry import LinkSample
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ worker's message to itself never travels, so the diagonals are always True.
 
 With ``network.segment_bytes`` > 0 the unit of loss is a segment (a datagram's
 payload) instead of a whole block: the masks are bool [W, W, S], ``up[i, j, k]``
-for segment k of block j (``shaky.comm.base.segment_counts`` gives the layout;
+for segment k of block j (``shaky.geometry.segment_counts`` gives the layout;
 entries past a block's last segment are padding, True). Every segment of a link
 is dropped on its own with the link's drop probability; with bursts, the link's
 state in a slot (good or bad) holds for all the segments it sends in that slot.
@@ -24,42 +24,20 @@ earlier round than the last one, so purity holds there too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from shaky.comm.base import segment_counts, segment_length
-from shaky.comm.native import SeededUniform
-from shaky.config import Matrix, NetworkConfig
+from shaky.geometry import LinkSample, segment_counts, segment_length
+from shaky.native import SeededUniform
 from shaky.network.presets import region_of_workers, region_rtt_ms
+
+if TYPE_CHECKING:
+    from shaky.config import Matrix, NetworkConfig
 
 # Keeps the network's random stream apart from every other stream seeded by the run seed.
 _NETWORK_STREAM = 0x6E6574
-
-
-@dataclass(frozen=True, slots=True)
-class LinkSample:
-    """Delivery masks of one round (True = delivered): bool [W, W] each, or [W, W, S] with segments.
-
-    A real transport builds one from what it observed: ``LinkSample(round, up, down, segment_bytes)``
-    with the masks laid out as below (the diagonal True, padding True).
-    """
-
-    round: int
-    up: torch.Tensor
-    """up[i, j]: worker i's message to server j arrived (phase 1); up[i, j, k]: its segment k of block j."""
-    down: torch.Tensor
-    """down[j, i]: server j's message to worker i arrived (phase 2); down[j, i, k]: segment k of its average."""
-    segment_bytes: int = 0
-    """The segments' size in bytes (``network.segment_bytes``); 0: the masks are [W, W], one message per block."""
-
-    def __post_init__(self) -> None:
-        ndim = 2 if self.segment_bytes == 0 else 3
-        if self.up.dim() != ndim or self.down.shape != self.up.shape:
-            raise ValueError(f"LinkSample with segment_bytes {self.segment_bytes} needs masks of {ndim} dimensions, "
-                             f"up and down alike; got up {list(self.up.shape)}, down {list(self.down.shape)}")
 
 
 def as_matrix(value: float | Matrix, num_workers: int) -> np.ndarray:
@@ -308,50 +286,3 @@ class TraceNetwork(NetworkModel):
         w, s = self.num_workers, self.num_segments
         planes = np.unpackbits(row.reshape(s, -1), axis=1, count=w * w).astype(bool).reshape(s, w, w) | self._eye
         return torch.from_numpy(np.ascontiguousarray(planes.transpose(1, 2, 0)))
-
-
-TRACE_FILE = "trace.npz"
-
-
-def save_trace(run_dir: Path, packed: dict[str, np.ndarray], num_workers: int) -> None:
-    """Writes the packed masks atomically into ``run_dir/trace.npz`` (see ``shaky.rundir.atomic_write``).
-
-    The file holds ``up`` and ``down`` (see MaskLog), ``num_workers``, ``num_segments`` (S) and
-    ``segment_bytes``; a trace written before segments existed has neither and reads as S = 1, 0.
-    """
-    from shaky.rundir import atomic_write  # noqa: PLC0415 (rundir imports nothing of the network)
-
-    segments = {"num_segments": np.int64(packed.get("num_segments", 1)),
-                "segment_bytes": np.int64(packed.get("segment_bytes", 0))}
-    atomic_write(Path(run_dir) / TRACE_FILE, lambda f: np.savez_compressed(
-        f, up=packed["up"], down=packed["down"], num_workers=np.int64(num_workers), **segments), "wb")
-
-
-def load_trace(path: str, num_workers: int, steps: int, *,
-               segment_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Reads a trace from a run directory (or a trace.npz file), checking it fits this run.
-
-    Returns the packed ``up`` and ``down`` rows ([rounds, S * ceil(W*W/8)] uint8, see MaskLog). With
-    ``segment_bytes`` (this run's ``network.segment_bytes``), the trace must have been recorded with it.
-    """
-    p = Path(path)
-    f = p / TRACE_FILE if p.is_dir() else p
-    try:
-        with np.load(f) as z:
-            up, down, w = z["up"], z["down"], int(z["num_workers"])
-            num_segments = int(z["num_segments"]) if "num_segments" in z else 1
-            recorded_bytes = int(z["segment_bytes"]) if "segment_bytes" in z else 0
-    except (OSError, KeyError, ValueError) as exc:
-        raise ValueError(f"network.trace: cannot read a trace from {path!r} ({exc})") from None
-    if w != num_workers:
-        raise ValueError(f"network.trace {path!r} was recorded with {w} workers, but num_workers is {num_workers}")
-    if up.shape[0] < steps:
-        raise ValueError(f"network.trace {path!r} holds {up.shape[0]} rounds, fewer than steps = {steps}")
-    width = num_segments * ((w * w + 7) // 8)
-    if num_segments < 1 or up.ndim != 2 or up.shape[1] != width or down.shape != up.shape:
-        raise ValueError(f"network.trace {path!r}: up {list(up.shape)} and down {list(down.shape)} are not the "
-                         f"packed masks of {w} workers and {num_segments} segments per block (rows of {width} bytes)")
-    if segment_bytes is not None and segment_bytes != recorded_bytes:
-        raise ValueError(f"network.trace {path!r} was recorded with network.segment_bytes = {recorded_bytes}, "
-                         f"but network.segment_bytes is {segment_bytes}")
-    return up, down

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shaky.comm.base import block_sizes
+from shaky.geometry import block_sizes
 
 REGION_RTT_MS: dict[frozenset[str], float] = {
     # Average ping round trip between EC2 instances over VPC peering, in ms, from

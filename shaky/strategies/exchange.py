@@ -29,10 +29,10 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from shaky.comm.base import Comm, Done, Handle, block_sizes, segment_length
+from shaky.comm.base import Comm, Done, Handle
+from shaky.geometry import LinkSample, block_sizes, segment_length, segment_values
 from shaky.network.clock import PhaseTraffic
 from shaky.network.faults import Membership, Round
-from shaky.network.model import LinkSample
 from shaky.strategies.optim import OuterSGD, OuterState
 from shaky.schedule import Schedule
 
@@ -291,18 +291,12 @@ def outer(opt: OuterSGD, inner: Exchange) -> Outer:
 # The traffic of an exchange, for the clock and the counters
 
 
-def _segment_values(sizes: list[int], seg_len: int) -> np.ndarray:
-    """float [blocks, S]: the values in segment k of each block (0 past a block's last segment)."""
-    num_segments = max(1, *[-(-n // seg_len) for n in sizes])
-    return np.clip(np.asarray(sizes, dtype=np.float64)[:, None] - np.arange(num_segments) * seg_len, 0, seg_len)
-
-
 @lru_cache(maxsize=64)
 def _block_link_bytes(dim: int, num_workers: int, itemsize: int, servers: tuple[int, ...] | None,
                       live: tuple[bool, ...] | None, seg_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Bytes on each link in the two phases: [W, W], or [W, W, S] per segment with ``seg_len`` > 0."""
     if seg_len:
-        sizes = _segment_values(block_sizes(dim, num_workers), seg_len) * itemsize   # [block, segment]
+        sizes = segment_values(block_sizes(dim, num_workers), seg_len) * itemsize   # [block, segment]
     else:
         sizes = np.asarray(block_sizes(dim, num_workers), dtype=np.float64) * itemsize
     if servers is None and live is None:
@@ -348,7 +342,7 @@ def _ring_link_bytes(dim: int, num_workers: int, itemsize: int,
     [W, W] each, or [W, W, S] per segment of the chunks with ``seg_len`` > 0."""
     n = len(order)
     if seg_len:
-        sizes = _segment_values(block_sizes(dim, n), seg_len) * itemsize   # [chunk, segment]
+        sizes = segment_values(block_sizes(dim, n), seg_len) * itemsize   # [chunk, segment]
     else:
         sizes = np.asarray(block_sizes(dim, n), dtype=np.float64) * itemsize
     hops = []

@@ -1,5 +1,8 @@
 """shaky's one compiled library, optional: ``shaky/comm/_fastpath.c``, loaded with ctypes.
 
+This loader sits at the package's top, below both ``shaky.comm`` and ``shaky.network`` (which must not import
+``shaky.comm``); the library itself is still built next to its source, in ``shaky/comm/`` (``setup.py``).
+
 The install builds it where a C compiler and OpenSSL's headers are found (``setup.py``). It holds the UDP data
 plane's per-datagram work (``shaky.comm.udp``), the arrival shares and the copies around the simulator's block
 average (``shaky.comm.sim``), numpy's seeded uniform draws for the delivery masks (``SeededUniform``, used by
@@ -19,7 +22,7 @@ import numpy as np
 def _load() -> ctypes.CDLL | None:
     """The compiled library, or None where the install did not build it."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = Path(__file__).with_name("_fastpath" + suffix)
+        path = Path(__file__).parent / "comm" / ("_fastpath" + suffix)
         if path.is_file():
             break
     else:
