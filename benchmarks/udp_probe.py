@@ -1,4 +1,4 @@
-"""What the UDP data plane can get out of this machine: measured before shaky/comm/udp.py was written.
+"""What the UDP data plane can get out of this machine: measured before shaky/comm/udp/ was written.
 
     .venv/bin/python benchmarks/udp_probe.py              # everything (a few minutes on 2 cores)
     .venv/bin/python benchmarks/udp_probe.py --only mac    # one part: mac, cpu, wire, exchange
@@ -18,7 +18,7 @@ wire      one sender process to one receiver process on 127.0.0.1, 1472-byte dat
           ``recvmmsg``/``sendmmsg``; GSO/GRO are the kernel's batching reachable from Python.
           (e) three senders bursting at one receiver with a small receive buffer, unpaced and
           paced by a token bucket: what pacing buys.
-cpu       CPU per datagram in shaky/comm/udp.py's own code paths, without a network: packing a block,
+cpu       CPU per datagram in shaky/comm/udp/'s own code paths, without a network: packing a block,
           receiving a GRO batch (numpy checks and copies), receiving one datagram at a time, the tags alone.
 exchange  4 processes on 127.0.0.1 (gloo as the control plane): one round of ``UdpExchange.block_average``
           (with GSO/GRO, and without: one datagram per system call) against today's gloo RPS
@@ -225,11 +225,13 @@ def probe_cpu() -> None:
     (``_on_datagram``, the path of single datagrams and of anything unusual), and the tags alone."""
     import torch  # noqa: PLC0415
 
-    from shaky.comm import udp  # noqa: PLC0415
+    from shaky.comm.udp.exchange import UdpExchange, _Counters, _Round  # noqa: PLC0415
+    from shaky.comm.udp.sockets import _batches  # noqa: PLC0415
+    from shaky.comm.udp.wire import TAG_BYTES  # noqa: PLC0415
 
     key = os.urandom(32)
     world = 2
-    exs = [udp.UdpExchange(rank=r, num_workers=world, key=key, run_id=1, host="127.0.0.1", ports=range(32000, 32999))
+    exs = [UdpExchange(rank=r, num_workers=world, key=key, run_id=1, host="127.0.0.1", ports=range(32000, 32999))
            for r in range(world)]
     for ex in exs:
         ex.connect([e.address for e in exs])
@@ -238,18 +240,18 @@ def probe_cpu() -> None:
     row = torch.randn(size)
     x = row.numpy()
     res = np.empty_like(x)
-    state = udp._Round(1, 1, x, res, [0, 1], None, 0, world, sender.segment_bytes, recv=receiver._recv_buffers)
+    state = _Round(1, 1, x, res, [0, 1], None, 0, world, sender.segment_bytes, recv=receiver._recv_buffers)
     block = x[:state.sizes[0]]
     packed = sender._pack(("probe", 0), 1, 0, state, block)
     n_dgrams = packed.count
-    batches = [(a * packed.size, (a + c - 1) * packed.size + packed.length(a + c - 1)) for a, c, _ in udp._batches(
+    batches = [(a * packed.size, (a + c - 1) * packed.size + packed.length(a + c - 1)) for a, c, _ in _batches(
         packed.count, sender._max_gso)]
     addr = sender.address
 
     def reset() -> None:
-        receiver._cur = udp._Round(1, 1, x, res, [0, 1], None, 0, world, sender.segment_bytes,
-                                   recv=receiver._recv_buffers)
-        receiver._st = udp._Counters()
+        receiver._cur = _Round(1, 1, x, res, [0, 1], None, 0, world, sender.segment_bytes,
+                               recv=receiver._recv_buffers)
+        receiver._st = _Counters()
 
     def cpu(fn, repeat: int = 5) -> float:
         best = math.inf
@@ -277,7 +279,7 @@ def probe_cpu() -> None:
 
     def tags() -> None:
         sender._mac.tags(packed.view, range(0, (packed.count - 1) * packed.size, packed.size),
-                         packed.size - udp.TAG_BYTES)
+                         packed.size - TAG_BYTES)
 
     print(f"cpu: CPU microseconds per datagram ({n_dgrams} datagrams of {packed.size} bytes, best of 5), "
           f"this process alone")
@@ -314,8 +316,9 @@ def _exchange_rank(rank: int, world: int, port: int, key: bytes, sizes: list[int
     cpu: dict[str, float] = {}
     gate = [False]          # only the GSO/GRO exchange's rounds are counted
     if profile and rank == 0:
-        from shaky.comm import udp as udp_module  # noqa: PLC0415
-        for cls, name in ((udp_module._Mac, "tags"), (udp_module._Mac, "tag"), (udp_module._Round, "average"),
+        from shaky.comm.udp.exchange import _Round  # noqa: PLC0415
+        from shaky.comm.udp.wire import _Mac  # noqa: PLC0415
+        for cls, name in ((_Mac, "tags"), (_Mac, "tag"), (_Round, "average"),
                           (UdpExchange, "_pack"), (UdpExchange, "_fast_batch"), (UdpExchange, "_on_datagram"),
                           (UdpExchange, "_send_batch"), (UdpExchange, "_drain"), (UdpExchange, "block_average")):
             setattr(cls, name, _timed(getattr(cls, name), f"{cls.__name__.lstrip('_')}.{name}", cpu, gate))

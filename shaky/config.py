@@ -41,7 +41,7 @@ TRANSPORTS = ("gloo", "udp")
 UDP_PORTS = "29600-29855"
 """The UDP ports a udp rank may bind by default (``dist.ports``)."""
 UDP_OVERHEAD_BYTES = 52
-"""Header and tag bytes of a udp datagram (``shaky.comm.udp.OVERHEAD_BYTES``; a test checks they agree):
+"""Header and tag bytes of a udp datagram (``shaky.comm.udp.wire.OVERHEAD_BYTES``; a test checks they agree):
 a datagram of ``dist.datagram_bytes`` carries a segment of ``datagram_bytes - 52`` bytes."""
 DTYPES = ("float32", "float64")
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:(0|[1-9][0-9]{0,3}))?")

@@ -1,4 +1,4 @@
-"""The UDP data plane (shaky/comm/udp.py) on 127.0.0.1: 2-4 ranks as threads (one process: the socket calls
+"""The UDP data plane (shaky/comm/udp/) on 127.0.0.1: 2-4 ranks as threads (one process: the socket calls
 release the GIL), one test with 4 processes (forked from a fork server).
 
 Loss and lateness are injected deterministically by the test-only ``fault`` hook (a datagram dropped or held
@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 import torch
 
-import shaky.comm.udp as udp_module
+import shaky.comm.udp.exchange as exchange_module
 from shaky.comm.udp import (FASTPATH, FINAL_DATAGRAMS, HEADER, OVERHEAD_BYTES, TAG_BYTES, AdaptiveDeadline,
-                            UdpExchange, UdpOptions, _Mac)
+                            UdpExchange, UdpOptions)
+from shaky.comm.udp.wire import _Mac
 from shaky.geometry import block_sizes
 
 KEY = bytes(range(32))
@@ -57,7 +58,7 @@ def group(num_workers: int, options: UdpOptions = SMALL, key: bytes = KEY, compi
                for r in range(num_workers)]
         for ex in exs:
             ex.connect([e.address for e in exs])
-            assert ex.info()["compiled"] == (options.compiled and udp_module.FASTPATH is not None)
+            assert ex.info()["compiled"] == (options.compiled and exchange_module.FASTPATH is not None)
         yield exs
 
 
@@ -576,11 +577,11 @@ def test_tag_is_hmac_sha256_truncated() -> None:
 
 
 def test_a_run_without_the_compiled_path_is_told(monkeypatch) -> None:
-    monkeypatch.setattr(udp_module, "FASTPATH", None)
-    line = udp_module.python_path_warning(UdpOptions())
+    monkeypatch.setattr(exchange_module, "FASTPATH", None)     # where UdpExchange and the warning look it up
+    line = exchange_module.python_path_warning(UdpOptions())
     assert line is not None and "_fastpath.c" in line and "libssl-dev" in line
-    assert udp_module.python_path_warning(UdpOptions(compiled=False)) is None   # asked for Python: nothing to say
-    with group(2) as exs:                                                    # and the exchange runs in Python
+    assert exchange_module.python_path_warning(UdpOptions(compiled=False)) is None  # asked for Python: nothing to say
+    with group(2) as exs:                                                           # and the exchange runs in Python
         assert not any(ex.info()["compiled"] for ex in exs)
         results = run_round(exs, random_rows(2, 100), 0)
     assert all(res[3].received == sum(res[3].expected) for res in results)
@@ -588,7 +589,7 @@ def test_a_run_without_the_compiled_path_is_told(monkeypatch) -> None:
 
 @NEEDS_BUILD
 def test_the_compiled_path_is_silent() -> None:
-    assert udp_module.python_path_warning(UdpOptions()) is None
+    assert exchange_module.python_path_warning(UdpOptions()) is None
 
 
 @NEEDS_BUILD

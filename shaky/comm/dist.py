@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from shaky.comm.base import Done
-from shaky.comm.udp import (AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, bind_first_free,
-                            python_path_warning)
+from shaky.comm.udp.exchange import (AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions,
+                                     python_path_warning)
+from shaky.comm.udp.sockets import bind_first_free
 from shaky.config import DistConfig
 from shaky.geometry import LinkSample, block_sizes
 from shaky.progress import say

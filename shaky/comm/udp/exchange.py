@@ -31,36 +31,7 @@ block. The masks are per link, as the simulator's are (it indexes them with ``up
 one rank serves several blocks, segment k counts on a link only if it arrived for every block that link
 carried. With the default servers (rank j serves block j) the link and the block are the same thing.
 
-Datagrams (:data:`HEADER`, then the payload, then the tag)::
-
-    offset size  field
-    0      2     magic b"SK"
-    2      1     version (1)
-    3      1     phase (1: to the server, 2: the server's average)
-    4      1     dtype (1 float16, 2 float32, 3 float64)
-    5      1     flags (bit 0: one of the sender's final datagrams to this receiver in this phase;
-                        bit 1: a repeat of the very last one, see below)
-    6      2     sender rank
-    8      8     run id
-    16     8     round
-    24     4     block
-    28     4     segment index in the block
-    32     4     payload length in bytes
-    36     n     payload: the segment's values, raw little-endian floats
-    36+n   16    tag: HMAC-SHA256(key, header + payload), first 16 bytes (RFC 4868's truncation)
-
-Little-endian, struct format ``<2sBBBBHQQIII``; at the default 1472-byte datagram (a 1500-byte MTU less
-the IPv4 and UDP headers) a segment holds 1420 bytes: 355 float32 or 177 float64 values.
-
-A datagram is used only if it has the right length and layout, comes from the address of the peer its
-header names, carries this run's id and a valid tag, belongs to the current round and a phase still open,
-fits the round's geometry (block served by the sender or by this rank, segment in range, length of that
-segment) and was not received before. Anything else is counted and dropped (``ExchangeStats.rejected``
-with the reason), or counted as late when it is authentic but arrived after its phase closed (this
-round's, or the previous round's first copy); it never raises. Authentic datagrams of a later round
-(a faster peer already on its next exchange) are kept, a bounded number, until that round starts. The
-phase-2 average is the same message to every rank, so its datagrams are tagged once and name no
-receiver: a copy relayed to another rank of the same run gives it that same average.
+The datagrams, and which of them are used, are described in :mod:`shaky.comm.udp.wire`.
 
 Speed (``benchmarks/udp_probe.py`` and ``benchmarks/transport.py`` measure it): a block's datagrams are built
 in one buffer with numpy (headers, payload copies) and tagged in one call; they leave in batches with UDP
@@ -83,10 +54,7 @@ work that releases the GIL (torch's kernels), not with Python. Only this rank's 
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import hashlib
-import heapq
 import hmac
 import math
 import os
@@ -94,7 +62,6 @@ import select
 import socket
 import struct
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -103,53 +70,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from shaky.comm.udp.sockets import (_CMSG_SPACE, _MSG_TRUNC, _RECV_BUFFER, _SO_RCVBUFFORCE, _SO_SNDBUFFORCE,
+                                    _SOL_UDP, _UDP_GRO, _UDP_SEGMENT, MAX_DATAGRAM_BYTES, MAX_GSO_SEGMENTS,
+                                    RECV_BATCH, _batches, _DelayLine, _has_gso, _resolve, _set_buffer,
+                                    bind_first_free)
+from shaky.comm.udp.wire import (DTYPE_CODES, FINAL_DATAGRAMS, FLAG_FINAL, FLAG_REPEAT, HEADER, KEY_BYTES, MAGIC,
+                                 OVERHEAD_BYTES, PHASES, TAG_BYTES, VERSION, _Mac, _Packed)
 from shaky.geometry import block_sizes, segment_counts, segment_length
 from shaky.native import FASTPATH
-
-HEADER = struct.Struct("<2sBBBBHQQIII")
-_HEADER_DTYPE = np.dtype([("magic", "S2"), ("version", "u1"), ("phase", "u1"), ("dtype", "u1"), ("flags", "u1"),
-                          ("sender", "<u2"), ("run", "<u8"), ("round", "<u8"), ("block", "<u4"), ("seg", "<u4"),
-                          ("length", "<u4")])
-"""``HEADER`` as a numpy record (the compiled path reads a batch's headers at once)."""
-"""magic, version, phase, dtype, flags, sender, run id, round, block, segment, payload bytes (36 bytes)."""
-MAGIC = b"SK"
-VERSION = 1
-TAG_BYTES = 16
-"""HMAC-SHA256 truncated to 128 bits."""
-OVERHEAD_BYTES = HEADER.size + TAG_BYTES
-FLAG_FINAL = 1
-"""Set on the sender's last ``FINAL_DATAGRAMS`` datagrams to a receiver in a phase."""
-FLAG_REPEAT = 2
-"""Set on the copy of the sender's very last datagram to a receiver in a phase (sent right after it)."""
-FINAL_DATAGRAMS = 4
-"""How many datagrams at the end of each sender's stream say "that was all": the receiver may close the
-phase early once it has one of them from every sender; all of them are lost with probability p^4."""
-PHASES = (1, 2)
-DTYPE_CODES = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
-MAX_DATAGRAM_BYTES = 65507
-"""The largest UDP payload over IPv4 (and the most one GSO send may carry)."""
-MAX_GSO_SEGMENTS = 64
-KEY_BYTES = 32
-
-# Linux constants that Python's socket module does not name.
-_SOL_UDP = 17
-_UDP_SEGMENT = 103
-_UDP_GRO = 104
-_SO_SNDBUFFORCE = 32
-_SO_RCVBUFFORCE = 33
-_RECV_BUFFER = 1 << 16
-_CMSG_SPACE = socket.CMSG_SPACE(4)
-_MSG_TRUNC = int(socket.MSG_TRUNC)      # a plain int: the IntFlag's & costs microseconds per receive
-
-REJECT_REASONS = ("malformed", "unknown_sender", "wrong_run", "bad_tag", "past_round", "future_round",
-                  "duplicate")
-"""Why a datagram was dropped: bad length/layout/phase/geometry; not from the address of the peer it names;
-another run's; tag does not verify; a round before the previous one; a later round when the holding
-space is full; already received."""
-
-
-RECV_BATCH = 64
-"""Datagrams one ``recvmmsg`` call takes at most (the compiled path)."""
 
 
 def python_path_warning(options: UdpOptions) -> str | None:
@@ -160,61 +88,6 @@ def python_path_warning(options: UdpOptions) -> str | None:
                 "in Python, about half as fast (install a C compiler and OpenSSL's headers, e.g. apt-get install "
                 "gcc libssl-dev, then reinstall shaky)")
     return None
-
-
-class _Mac:
-    """HMAC-SHA256 (RFC 2104) of a datagram, truncated to 16 bytes.
-
-    The pads' states are hashed once and copied per datagram: the same computation as
-    ``hmac.digest(key, msg, "sha256")[:16]`` (a test checks it), about 1.9 microseconds per 1472-byte
-    datagram against 3.6 for ``hmac.digest`` (whose OpenSSL 3 set-up is per call) and 2.8 for keyed
-    BLAKE2b, which has no SHA extensions to run on (``benchmarks/udp_probe.py --only mac``).
-    """
-
-    __slots__ = ("_inner", "_outer", "_c", "_cp")
-
-    def __init__(self, key: bytes, compiled: bool = False) -> None:
-        block = key.ljust(64, b"\0")
-        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
-        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
-        self._c = None
-        if compiled and FASTPATH is not None:      # the same pad states, in C (``tags`` and ``tags_of``)
-            self._c = ctypes.create_string_buffer(FASTPATH.shaky_mac_size())
-            if FASTPATH.shaky_mac_init(self._c, bytes(key), len(key)) != 0:
-                raise ValueError("the MAC key must be at most 64 bytes")
-            self._cp = ctypes.addressof(self._c)
-
-    def tag(self, data: memoryview | bytes) -> bytes:
-        inner = self._inner.copy()
-        inner.update(data)
-        outer = self._outer.copy()
-        outer.update(inner.digest())
-        return outer.digest()[:TAG_BYTES]
-
-    def tags(self, buf: memoryview, offsets: range, length: int) -> bytes:
-        """The tags of ``buf[o:o + length]`` for each offset, concatenated (one loop, no calls per datagram)."""
-        if self._c is not None and len(offsets):
-            out = np.empty(len(offsets) * TAG_BYTES, np.uint8)
-            base = np.frombuffer(buf, np.uint8).ctypes.data + offsets.start
-            FASTPATH.shaky_tags(self._cp, base, offsets.step, None, length, len(offsets), out.ctypes.data)
-            return out.tobytes()
-        icopy, ocopy = self._inner.copy, self._outer.copy
-        out = []
-        append = out.append
-        for o in offsets:
-            inner = icopy()
-            inner.update(buf[o:o + length])
-            outer = ocopy()
-            outer.update(inner.digest())
-            append(outer.digest()[:TAG_BYTES])
-        return b"".join(out)
-
-    def tags_of(self, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """[n, 16] the tags of ``rows[i, :lengths[i]]`` (rows: C-contiguous uint8 [n, stride]); compiled only."""
-        n = rows.shape[0]
-        out = np.empty((n, TAG_BYTES), np.uint8)
-        FASTPATH.shaky_tags(self._cp, rows.ctypes.data, rows.shape[1], lengths.ctypes.data, 0, n, out.ctypes.data)
-        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -1023,7 +896,6 @@ class UdpExchange:
 
 
 # ------------------------------------------------------------------------------------------- a round
-
 class _Round:
     """One exchange's geometry, receive buffers and what has arrived.
 
@@ -1217,21 +1089,6 @@ class _Progress:
         return sum(e - c for e, c in zip(self.expected, self.count) if e)
 
 
-class _Packed:
-    """One block's datagrams in one buffer: rows of ``size`` bytes, the last ``last`` bytes long; ``repeat``: the
-    flagged copy of the last row where it ends a stream (else None)."""
-
-    __slots__ = ("view", "size", "count", "last", "phase", "block", "repeat")
-
-    def __init__(self, view: memoryview, size: int, count: int, last: int, phase: int, block: int,
-                 repeat: bytes | None) -> None:
-        self.view, self.size, self.count, self.last, self.phase, self.block = view, size, count, last, phase, block
-        self.repeat = repeat
-
-    def length(self, k: int) -> int:
-        return self.last if k == self.count - 1 else self.size
-
-
 @dataclass(slots=True)
 class _Counters:
     sent: int = 0
@@ -1250,19 +1107,6 @@ class _Counters:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-def _batches(count: int, most: int) -> list[tuple[int, int, bool]]:
-    """(first, count, one_by_one) batches of at most ``most`` rows; the last ``FINAL_DATAGRAMS`` rows go
-    together, one datagram per send (``one_by_one``).
-
-    The final datagrams leave in separate sends so that they are lost independently (a GSO batch can be
-    lost whole: on loopback it crosses netfilter and qdiscs as one packet), and back to back so that the
-    receiver, once it has one, need not wait long for the others."""
-    body = max(0, count - FINAL_DATAGRAMS)
-    out = [(a, min(most, body - a), False) for a in range(0, body, most)]
-    return out + [(body, count - body, True)] if count > body else out
-
-
 def _runs(values: list) -> list[tuple[object, int]]:
     out: list[tuple[object, int]] = []
     for v in values:
@@ -1282,6 +1126,13 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
+def _int_in(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
 def _check_latency(latency_s: object, W: int) -> list[float] | None:
     """``latency_s`` as W non-negative finite seconds (None stays None)."""
     if latency_s is None:
@@ -1294,113 +1145,6 @@ def _check_latency(latency_s: object, W: int) -> list[float] | None:
             raise ValueError(f"latency_s[{r}] must be a number of seconds >= 0, got {value!r}")
         delays.append(float(value))
     return delays
-
-
-class _DelayLine:
-    """Latency emulation: each datagram handed over leaves its socket ``delay_s`` later, from a thread.
-
-    Datagrams with the same delay leave in the order they were handed over, so a sender's stream to one
-    receiver stays in order (the early close relies on it). A send that fails is a lost datagram.
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._heap: list[tuple[float, int, bytes, tuple[str, int]]] = []
-        self._seq = 0
-        self._cv = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="shaky-udp-delay", daemon=True)
-        self._thread.start()
-
-    def put(self, data: bytes, addr: tuple[str, int], delay_s: float) -> None:
-        with self._cv:
-            heapq.heappush(self._heap, (time.monotonic() + delay_s, self._seq, data, addr))
-            self._seq += 1
-            self._cv.notify()
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        self._thread.join(timeout=1.0)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._cv.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
-                if self._closed:
-                    return
-                now, due = time.monotonic(), []
-                while self._heap and self._heap[0][0] <= now:
-                    due.append(heapq.heappop(self._heap))
-            for _due, _seq, data, addr in due:
-                self._send(data, addr)
-
-    def _send(self, data: bytes, addr: tuple[str, int]) -> None:
-        for _ in range(1000):       # a full send buffer drains in microseconds; past that the datagram is lost
-            try:
-                self._sock.sendto(data, addr)
-                return
-            except (BlockingIOError, InterruptedError):
-                select.select([], [self._sock], [], 0.001)
-            except OSError as exc:
-                if exc.errno != errno.ENOBUFS:
-                    return      # an ICMP error from an earlier datagram, or the socket closed: this one is lost
-                time.sleep(0.0001)
-
-
-def _int_in(name: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
-
-
-def _resolve(host: object, name: str) -> str:
-    if not isinstance(host, str) or not host:
-        raise ValueError(f"{name} must be a host name or IPv4 address, got {host!r}")
-    try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
-    except (socket.gaierror, UnicodeError) as exc:
-        raise ValueError(f"{name} {host!r} does not resolve to an IPv4 address ({exc})") from None
-
-
-def bind_first_free(ip: str, ports: range, kind: socket.SocketKind = socket.SOCK_DGRAM) -> socket.socket:
-    """A socket of ``kind`` (UDP, or TCP: SOCK_STREAM) bound on ``ip`` at the first free port of ``ports``.
-    Raises OSError naming the range when none is free, or naming ``ip`` when it is not this machine's."""
-    proto = "TCP" if kind == socket.SOCK_STREAM else "UDP"
-    for port in ports:
-        sock = socket.socket(socket.AF_INET, kind)
-        if kind == socket.SOCK_STREAM:   # a port whose last connection is in TIME_WAIT is free to listen on
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((ip, port))
-            return sock
-        except OSError as exc:
-            sock.close()
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                continue
-            raise OSError(exc.errno, f"cannot bind {proto} on {ip}: {exc.strerror}") from None
-    span = f"{ports.start}-{ports[-1]}" if ports.step == 1 else repr(ports)
-    raise OSError(errno.EADDRINUSE, f"no free {proto} port on {ip} in ports {span} (all {len(ports)} in use)")
-
-
-def _set_buffer(sock: socket.socket, opt: int, force: int, nbytes: int) -> int:
-    """Asks for ``nbytes`` (past the sysctl cap where this process may) and returns what was granted."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, force, nbytes)
-    except OSError:
-        sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)
-    return sock.getsockopt(socket.SOL_SOCKET, opt) // 2   # Linux reports twice what it accounts as data
-
-
-def _has_gso(sock: socket.socket) -> bool:
-    try:
-        sock.getsockopt(_SOL_UDP, _UDP_SEGMENT)
-        return True
-    except OSError:
-        return False
 
 
 def _check_row(row: object) -> np.ndarray:
