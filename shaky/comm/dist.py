@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from shaky.comm import rps
 from shaky.comm.base import Done
 from shaky.comm.udp.exchange import (AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions,
                                      python_path_warning)
@@ -390,10 +391,7 @@ class DistComm:
         received = self._buffer(staging, w * mine, row)
         dist.all_to_all_single(received, row.contiguous(), output_split_sizes=[mine] * w,
                                input_split_sizes=per_rank, group=group)
-        arrived = up[:, me].to(x.dtype)
-        if weights is not None:
-            arrived = arrived * weights.to(x.dtype)
-        share = (arrived / arrived.sum())[None]        # [1, senders]: each arrival's weight, as in SimComm
+        share = rps.shares(up[:, me:me + 1, None], weights, x.dtype)   # [1, senders, 1]: each arrival's weight
 
         # Phase 2: I send my average to every rank and get every server's back, in ``order`` layout: the
         # average is computed straight into my piece of the result and sent from there, and every server's
@@ -403,7 +401,7 @@ class DistComm:
         out = row.new_empty(row.numel())
         piece = [sum(per_rank[:r]) for r in range(w)]
         avg = out[piece[me]:piece[me] + mine]
-        torch.mm(share, received.view(w, mine), out=avg.view(1, mine))
+        rps.server_average(share, received.view(1, w, mine), out=avg.view(1, mine))
         requests = []
         for r in range(w):
             if r != me:
@@ -413,11 +411,12 @@ class DistComm:
                     requests.append(dist.irecv(out[piece[r]:piece[r] + per_rank[r]], r, group=group))
         for request in requests:
             request.wait()
-        # Where a server's average was lost, keep my own block (few blocks: a copy each, no full-size mask).
-        pos = 0
+        # Where a server's average was lost, keep my own block (only those blocks: no full-size mask).
+        pos, lost = 0, torch.ones(1, 1, 1, dtype=torch.bool)
         for j in order:
             if not down[srv[j], me]:
-                out[pos:pos + sizes[j]] = row[pos:pos + sizes[j]]
+                rps.keep_own_where_lost(None, row[pos:pos + sizes[j]].view(1, 1, sizes[j]), lost,
+                                        out=out[pos:pos + sizes[j]].view(1, 1, sizes[j]))
             pos += sizes[j]
         if order != list(range(w)):
             unpermuted = torch.empty_like(out)

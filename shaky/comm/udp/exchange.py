@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from shaky.comm import rps
 from shaky.comm.udp.sockets import (_CMSG_SPACE, _MSG_TRUNC, _RECV_BUFFER, _SO_RCVBUFFORCE, _SO_SNDBUFFORCE,
                                     _SOL_UDP, _UDP_GRO, _UDP_SEGMENT, MAX_DATAGRAM_BYTES, MAX_GSO_SEGMENTS,
                                     RECV_BATCH, _batches, _DelayLine, _has_gso, _resolve, _set_buffer,
@@ -1009,53 +1010,33 @@ class _Round:
         return down
 
     def average(self, j: int, up: np.ndarray, out: np.ndarray) -> None:
-        """Block j's average per segment over the senders whose segment arrived (weighted), into ``out``."""
-        W, seg, nseg, n = self.W, self.seg, self.nseg[j], self.sizes[j]
-        dtype = self.x.dtype
-        vals = self.recv[j].view(dtype)                 # [W, nseg * seg]
+        """Block j's average per segment over the senders whose segment arrived (weighted), into ``out``
+        (:func:`shaky.comm.rps.server_average`; a segment that arrived from no sender of nonzero weight is NaN,
+        as the simulator gives)."""
+        nseg, n = self.nseg[j], self.sizes[j]
+        vals = self.recv[j].view(self.x.dtype)          # [W, nseg * seg]
         vals[self.me, :n] = self.x[self.starts[j]:self.starts[j] + n]
-        w = np.ones(W, dtype) if self.weights is None else self.weights
-        arrived = up[:, :nseg]                          # [W, nseg]
-        with np.errstate(divide="ignore", invalid="ignore"):    # weights of 0 only: NaN, as the simulator gives
-            self._average(vals, w, arrived, nseg, seg, n, out)
-
-    def _average(self, vals: np.ndarray, w: np.ndarray, arrived: np.ndarray, nseg: int, seg: int, n: int,
-                 out: np.ndarray) -> None:
-        W, dtype = self.W, vals.dtype
-        everyone = arrived.all(axis=0)
-        padded = np.empty(nseg * seg, dtype)
-        if everyone.any():
-            share = (w / w.sum()).astype(dtype)[None]
-            np.matmul(share, vals, out=padded[None])    # every segment; the others are redone below
-        if not everyone.all():
-            view, dst = vals.reshape(W, nseg, seg), padded.reshape(nseg, seg)
-            if W <= 62:     # segments with the same senders share one product
-                codes = np.zeros(nseg, np.int64)
-                for i in range(W):
-                    codes |= arrived[i].astype(np.int64) << i
-                groups = [(np.array([(p >> i) & 1 for i in range(W)], bool), np.flatnonzero(codes == p))
-                          for p in np.unique(codes[~everyone]).tolist()]
-            else:
-                groups = [(arrived[:, k].copy(), np.array([k])) for k in np.flatnonzero(~everyone)]
-            for senders, ks in groups:
-                who = np.flatnonzero(senders)
-                ws = w[who]
-                share = (ws / ws.sum()).astype(dtype)
-                dst[ks] = np.tensordot(share, view[who[:, None], ks[None, :]], axes=1)
-        out[:] = padded[:n]
+        lost = ~up[:, :nseg]
+        lost[self.me] = False
+        if lost.any():   # what a lost segment's buffer holds is stale (maybe NaN): 0 times it must be 0
+            torch.from_numpy(vals).view(self.W, nseg, self.seg)[torch.from_numpy(lost)] = 0
+        values = torch.from_numpy(vals[:, :n])
+        weights = None if self.weights is None else torch.from_numpy(self.weights)
+        share = rps.shares(torch.from_numpy(up[:, None, :nseg]), weights, values.dtype)   # [1, W, nseg]
+        rps.server_average(share, values[None], self.seg, out=torch.from_numpy(out)[None])
 
     def keep_own_where_lost(self, down: np.ndarray) -> None:
-        """Where a server's average of a segment did not arrive, this rank keeps its own values."""
+        """Where a server's average of a segment did not arrive, this rank keeps its own values
+        (:func:`shaky.comm.rps.keep_own_where_lost`: the averages arrived in place, in ``res``)."""
+        lost = torch.from_numpy(~down)
         for j in range(self.W):
             s = self.srv[j]
             if s == self.me or not self.nseg[j]:
                 continue
-            lost = np.flatnonzero(~down[s, :self.nseg[j]])
-            base = self.starts[j]
-            for k in lost.tolist():
-                a = base + k * self.seg
-                b = base + min((k + 1) * self.seg, self.sizes[j])
-                self.res[a:b] = self.x[a:b]
+            a, n = self.starts[j], self.sizes[j]
+            rps.keep_own_where_lost(None, torch.from_numpy(self.x[a:a + n]).view(1, 1, n),
+                                    lost[s, :self.nseg[j]].view(1, 1, -1), self.seg,
+                                    out=torch.from_numpy(self.res[a:a + n]).view(1, 1, n))
 
 
 class _Progress:

@@ -1,0 +1,102 @@
+"""RPS's rule (Yu et al., ICML 2019), written once: every backend's block average is these three functions.
+
+A row of D values is cut into W blocks (``shaky.geometry.block_sizes``); block j is served by one worker, and
+with a segment length ``seg`` > 0 each block is cut further into segments of ``seg`` values, the unit of loss
+(``segment_counts``; ``seg`` 0: a block is one message).
+
+- Phase 1, at a server (:func:`shares`, :func:`server_average`): the average of a block, segment by segment,
+  over the senders whose segment arrived, each weighted by its worker's weight::
+
+      avg[k] = sum_i w_i a_ik x_i[k] / sum_i w_i a_ik        (a_ik: sender i's segment k arrived)
+
+  Its own segment always arrives. A segment that arrived from nobody of nonzero weight is 0/0 (NaN): the
+  caller never uses it (only a server out of the round gets one).
+- Phase 2, at a worker (:func:`keep_own_where_lost`): it takes the server's average of each segment where it
+  arrived, and keeps its own values where it was lost. Unbiased and never worse than not averaging.
+
+The simulator calls them over every block at once (a leading batch of blocks), gloo and udp over the blocks a
+rank serves and receives. ``shaky/comm/_fastpath.c`` implements :func:`shares` (``shaky_block_shares``) and
+:func:`keep_own_where_lost` (``shaky_take_averages``) for the simulator's CPU path without segments; the tests
+check that they give these functions' bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def shares(up: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Each arrival's weight in its server's average: ``w_i a_i / sum_i w_i a_i``.
+
+    ``up``: bool [senders, servers] (or [senders, servers, S] per segment), what arrived at each server;
+    ``weights``: [senders] or None (equal). Returns [servers, senders] (or [servers, senders, S]) in ``dtype``,
+    contiguous: a server's row of weights is what multiplies its received blocks (:func:`server_average`).
+    """
+    arrived = up.to(dtype)
+    if weights is not None:
+        arrived = arrived * weights.to(dtype).reshape(-1, *([1] * (up.dim() - 1)))
+    return (arrived / arrived.sum(0)).transpose(0, 1).contiguous()
+
+
+def _pieces(n: int, seg: int) -> list[tuple[int, int, int]]:
+    """A block of ``n`` values in segments of ``seg``: (first segment, segments, values each) for its whole
+    segments and for a shorter last one, so that each piece is one view ``[..., segments, values]``."""
+    if seg <= 0 or n <= seg:
+        return [(0, 1, n)] if n else []
+    whole, rest = divmod(n, seg)
+    return [(0, whole, seg)] + ([(whole, 1, rest)] if rest else [])
+
+
+def server_average(share: torch.Tensor, blocks: torch.Tensor, seg: int = 0, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Phase 1: each served block's average over the senders whose segments arrived.
+
+    ``share``: [B, senders, S], :func:`shares` of the B blocks (S = 1 without segments); ``blocks``: [B, senders,
+    n], every sender's values of each block (a view of any strides; a segment that did not arrive must hold
+    finite values, 0 as a rule: it is multiplied by 0); ``seg``: values per segment (0: none).
+    Returns [B, n] (written into ``out`` where given). A block's segments that arrived from the same senders
+    share one matrix product: the most common set (everyone, as a rule) over the whole block, then each other
+    set over its own segments.
+    """
+    b, w, n = blocks.shape
+    avg = blocks.new_empty(b, n) if out is None else out
+    for k0, count, length in _pieces(n, seg):
+        start = k0 * seg
+        stop = start + count * length
+        part = share[:, :, k0:k0 + count]                                            # [B, senders, segs]
+        # (a fresh bmm, then copied: bmm's out= at an offset summed 1 ulp apart here and there)
+        if count == 1:
+            avg[:, start:stop] = torch.bmm(part.transpose(1, 2), blocks[:, :, start:stop]).view(b, stop - start)
+            continue
+        patterns, which = torch.unique(part.permute(2, 0, 1).reshape(count, b * w), dim=0, return_inverse=True)
+        common = int(torch.bincount(which).argmax())
+        dst = avg[:, start:stop].unflatten(1, (count, length))                       # [B, segs, len]
+        dst.copy_(torch.bmm(patterns[common].view(b, 1, w), blocks[:, :, start:stop]).view(b, count, length))
+        for g in range(len(patterns)):
+            if g != common:
+                ks = (which == g).nonzero().squeeze(1)
+                src = blocks[:, :, start:stop].unflatten(2, (count, length))[:, :, ks]   # [B, senders, k, len]
+                dst[:, ks] = torch.einsum("bw,bwkl->bkl", patterns[g].view(b, w), src)
+    return avg
+
+
+def keep_own_where_lost(avg: torch.Tensor | None, own: torch.Tensor, lost: torch.Tensor, seg: int = 0, *,
+                        out: torch.Tensor) -> torch.Tensor:
+    """Phase 2: every worker takes each block's average where it arrived, and keeps its own where it was lost.
+
+    ``avg``: [B, n] the servers' averages, or None where ``out`` holds them already (a transport receives them
+    in place: then only the lost segments are copied); ``own``: [w, B, n] each local worker's own values;
+    ``lost``: bool [w, B, S] (S = 1 without segments), the average of that segment did not come back; ``out``:
+    [w, B, n], which may be ``own`` itself (each element is read before it is written). Copies only.
+    """
+    for k0, count, length in _pieces(own.shape[2], seg):
+        start = k0 * seg
+        stop = start + count * length
+        mine, dst = (t[:, :, start:stop].unflatten(2, (count, length)) for t in (own, out))
+        gone = lost[:, :, k0:k0 + count]
+        if avg is not None:
+            torch.where(gone[..., None], mine, avg[None, :, start:stop].unflatten(2, (count, length)), out=dst)
+        elif bool(gone.any()):
+            where = gone.nonzero(as_tuple=True)
+            dst[where] = mine[where]
+    return out

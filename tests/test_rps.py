@@ -1,0 +1,103 @@
+"""RPS's rule, written once (shaky/comm/rps.py): its functions against the rule spelled out value by value, and
+the compiled implementations (shaky/comm/_fastpath.c) against its functions, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shaky import native
+from shaky.comm import rps
+from shaky.geometry import block_sizes
+
+NEEDS_BUILD = pytest.mark.skipif(native.FASTPATH is None, reason="the compiled fast path was not built")
+
+
+def rule(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, seg: int, weights: torch.Tensor | None,
+         servers: list[int]) -> torch.Tensor:
+    """The rule value by value (float64): server s = servers[j] averages segment k of block j over the senders
+    i with up[i, s, k] (weighted); worker r takes it where down[s, r, k], else keeps its own."""
+    w, d = x.shape
+    out, start = x.clone(), 0
+    wts = torch.ones(w, dtype=x.dtype) if weights is None else weights.to(x.dtype)
+    for j, n in enumerate(block_sizes(d, w)):
+        s = servers[j]
+        for k in range(-(-n // seg) if seg else 1):
+            a, b = start + k * seg if seg else start, start + min((k + 1) * seg, n) if seg else start + n
+            arrived = up[:, s, k].to(x.dtype) * wts
+            avg = (arrived[:, None] * x[:, a:b]).sum(0) / arrived.sum()
+            for r in range(w):
+                if down[s, r, k]:
+                    out[r, a:b] = avg
+        start += n
+    return out
+
+
+def via_rps(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, seg: int, weights: torch.Tensor | None,
+            servers: list[int]) -> torch.Tensor:
+    """The same through rps's three functions, one block at a time (as a rank serves and receives them)."""
+    w, d = x.shape
+    out, start = torch.empty_like(x), 0
+    for j, n in enumerate(block_sizes(d, w)):
+        s, cols = servers[j], slice(start, start + n)
+        share = rps.shares(up[:, s:s + 1], weights, x.dtype)                  # [1, senders, S]
+        avg = rps.server_average(share, x[None, :, cols], seg)               # [1, n]
+        rps.keep_own_where_lost(avg, x[:, None, cols], ~down[s, :, None, :], seg, out=out[:, None, cols])
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("w, d, seg", [(4, 1000, 16), (5, 37, 0), (3, 7, 2), (6, 600, 7), (4, 40, 100)])
+def test_the_three_functions_are_the_rule(w: int, d: int, seg: int) -> None:
+    gen = torch.Generator().manual_seed(w * d + seg)
+    segments = max(-(-n // seg) for n in block_sizes(d, w)) if seg else 1
+    for trial in range(4):
+        x = torch.randn(w, d, generator=gen, dtype=torch.float64)
+        up = torch.rand(w, w, segments, generator=gen) > 0.3
+        up[torch.arange(w), torch.arange(w)] = True        # a server's own values always arrive
+        down = torch.rand(w, w, segments, generator=gen) > 0.3
+        weights = torch.rand(w, generator=gen, dtype=torch.float64) + 0.5 if trial % 2 else None
+        servers = torch.randperm(w, generator=gen).tolist() if trial >= 2 else list(range(w))
+        want = rule(x, up, down, seg, weights, servers)
+        torch.testing.assert_close(via_rps(x, up, down, seg, weights, servers), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_lost_segment_is_read_only_as_zero_weight() -> None:
+    """A segment that did not arrive weighs 0: its values (0 in a transport's buffer) never move the average."""
+    x = torch.randn(1, 3, 10, dtype=torch.float64)
+    up = torch.tensor([[True, True], [True, False], [False, True]])          # [senders, segments]
+    share = rps.shares(up[:, None, :], None, x.dtype)
+    zeroed = x.clone()
+    zeroed[0, 2, :5] = 0
+    zeroed[0, 1, 5:] = 0
+    torch.testing.assert_close(rps.server_average(share, x, 5), rps.server_average(share, zeroed, 5))
+
+
+@NEEDS_BUILD
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_shares_and_copies_are_the_rule_s_bits(dtype: torch.dtype) -> None:
+    lib = native.FASTPATH
+    gen = torch.Generator().manual_seed(3)
+    for w, d in ((16, 2613), (5, 37), (7, 3), (4, 40)):
+        x = torch.randn(w, d, generator=gen, dtype=dtype)
+        up = torch.rand(w, w, generator=gen) > 0.4
+        up[torch.arange(w), torch.arange(w)] = True
+        down = torch.rand(w, w, generator=gen) > 0.4
+        share = x.new_empty(w, w, 1)
+        lib.shaky_block_shares(up.data_ptr(), w, share.data_ptr(), x.element_size())
+        assert torch.equal(share, rps.shares(up[..., None], None, dtype))
+        # every block's average, then the copies: C's per row and block, rps's per element
+        sizes = block_sizes(d, w)
+        avg = torch.cat([rps.server_average(share[j:j + 1], x[None, :, sum(sizes[:j]):sum(sizes[:j + 1])])[0]
+                         for j in range(w)])
+        byte_sizes = torch.tensor(sizes, dtype=torch.int64) * x.element_size()
+        compiled = torch.empty_like(x)
+        lib.shaky_take_averages(compiled.data_ptr(), x.data_ptr(), avg.data_ptr(), down.contiguous().data_ptr(),
+                                byte_sizes.data_ptr(), w, compiled.stride(0) * compiled.element_size(),
+                                x.stride(0) * x.element_size())
+        want, start = torch.empty_like(x), 0
+        for j, n in enumerate(sizes):
+            rps.keep_own_where_lost(avg[None, start:start + n], x[:, None, start:start + n], ~down[j, :, None, None],
+                                    out=want[:, None, start:start + n])
+            start += n
+        assert torch.equal(compiled, want)
