@@ -34,6 +34,7 @@ set them in your own process.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ from torch.distributed.algorithms.model_averaging import averagers as torch_aver
 
 from shaky.comm.dist import DistComm, UdpDistComm, udp_comm
 from shaky.config import UDP_PORTS, DistConfig, NetworkConfig, _build
+from shaky.job.env import JobEnv
 from shaky.network.clock import PhaseTraffic
 from shaky.network.faults import Membership, Round
 from shaky.network.model import NetworkModel
@@ -215,7 +217,10 @@ class ModelAverager:
             if cfg.drop_rate or cfg.burst_enter:
                 raise ValueError(f"network drop_rate/burst_enter ({cfg.drop_rate!r}/{cfg.burst_enter!r}) are drawn "
                                  "losses; with transport=\"udp\" the losses are the network's (leave them unset)")
-            self.comm: DistComm = udp_comm(settings)
+            # A user's torchrun process: the averager is its entry point, and reads $SHAKY_KEY and MASTER_ADDR
+            # as the command line does (JobEnv), for the comm below it.
+            env = JobEnv.from_environ(os.environ)
+            self.comm: DistComm = udp_comm(settings, key_text=env.key, master_addr=env.route_to)
         else:
             self.comm = DistComm()
         self.transport = transport

@@ -4,7 +4,8 @@ A :class:`FaultInjector` is handed to the training loop, which calls
 ``check(step, rank)`` before every step on every rank (both backends run the
 same loop). A fault fires at most once, exactly at its step, and is counted;
 nothing sleeps and nothing is random. The ``SHAKY_INJECT_FAULT`` environment
-variable is the command line's way to make one (:meth:`FaultInjector.from_env`).
+variable is the command line's way to make one (``shaky.job.env.JobEnv.inject_fault``, given to
+:meth:`FaultInjector.parse`).
 """
 
 from __future__ import annotations
@@ -89,9 +90,3 @@ class FaultInjector:
                 raise ValueError(f"{ENV_VAR} must be KIND:RANK:STEP with KIND one of {', '.join(KINDS)} "
                                  f"(e.g. exit:2:40), got {spec!r}") from None
         return FaultInjector(tuple(faults))
-
-    @staticmethod
-    def from_env() -> FaultInjector | None:
-        """The faults in ``SHAKY_INJECT_FAULT``, or None when it is unset or empty."""
-        spec = os.environ.get(ENV_VAR, "")
-        return FaultInjector.parse(spec) if spec else None

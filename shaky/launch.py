@@ -202,12 +202,12 @@ def resume_args(args: Sequence[str], run_dir: str) -> list[str]:
     return ["--resume", run_dir, *(["--quiet"] if any(len(a) > 2 and "--quiet".startswith(a) for a in args) else [])]
 
 
-def tell_launcher(run_dir: str | None, transport: str | None, *, stopped: bool = False) -> None:
+def tell_launcher(path: str | None, run_dir: str | None, transport: str | None, *, stopped: bool = False) -> None:
     """A rank under ``shaky launch``: the run's directory (rank 0's) and transport (None: not known, the process
-    group never formed), to the file the launcher named for it; ``stopped``: the rank is ending because the run
-    stopped (rank 0 went, or on gloo any rank) or never started, not because it was left out: it is not one to
-    start again alone."""
-    path = os.environ.get(RUN_FILE_ENV)
+    group never formed), to the file the launcher named for it (``path``: its :data:`RUN_FILE_ENV`, which the rank
+    read; None: not under shaky launch, nothing to tell); ``stopped``: the rank is ending because the run stopped
+    (rank 0 went, or on gloo any rank) or never started, not because it was left out: it is not one to start
+    again alone."""
     if path:
         write_json(Path(path), {"run_dir": run_dir, "transport": transport, "stopped": stopped})
 

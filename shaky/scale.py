@@ -11,6 +11,7 @@ steps after its launch. No message is lost here; ``shaky train`` adds losses.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -18,11 +19,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from shaky.config import RunConfig, config_from_dict
+from shaky.config import MAX_SCALE_PERIOD, RunConfig, config_from_dict, load_toml, parse_value, set_dotted
+from shaky.errors import BadInput
 from shaky.geometry import LinkSample
 from shaky.network.clock import Clock, PhaseTraffic, hiding_period, scalability
 from shaky.network.model import NetworkModel, link_matrices
 from shaky.network.presets import region_of_workers
+from shaky.outputs import check_writable
 from shaky.strategies.exchange import block_exchange_traffic, ring_allreduce_traffic
 
 STRATEGIES = ("allreduce", "local-sgd", "dts")
@@ -164,3 +167,72 @@ def plot(sweeps: Sequence[Sweep], out: Path, *, period: int, delay: int, title: 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+MAX_SCALE_WORKERS = 256
+MAX_SCALE_PARAMS = 1e12
+"""A trillion float32 values (4 TB) per message: beyond any model, and what the traffic model can size."""
+
+
+def _command_network(args: argparse.Namespace) -> tuple[dict[str, Any], int | None]:
+    """The network settings for ``shaky scale`` (file, then preset, then --set) and the file's num_workers."""
+    values: dict[str, Any] = {}
+    file_workers = None
+    if args.config:
+        loaded = load_toml(args.config)
+        values = {"network": loaded.get("network", {})}
+        file_workers = loaded.get("num_workers")
+        if file_workers is not None and (isinstance(file_workers, bool) or not isinstance(file_workers, int)):
+            raise BadInput(f"num_workers must be an integer, got {file_workers!r} (in {args.config})")
+    if args.preset is not None or not args.config:
+        set_dotted(values, "network.preset", args.preset if args.preset is not None else "geo4")
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BadInput(f"--set expects KEY=VALUE, got {item!r}")
+        if not key.startswith("network."):
+            raise BadInput(f"scale: --set takes network settings only (network.KEY=VALUE), got {key!r}")
+        set_dotted(values, key, parse_value(text.strip()))
+    return values, file_workers
+
+
+def command_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], int, list[int], list[float], Path]:
+    """Checks ``shaky scale``'s flags: network values, W, the worker counts, the latencies, the plot path."""
+    try:
+        values, file_workers = _command_network(args)
+    except (ValueError, TypeError) as exc:
+        raise BadInput(str(exc)) from None
+    workers = args.workers if args.workers is not None else (file_workers if file_workers is not None else 32)
+    counts = args.worker_counts or ([workers] if file_workers is not None else [4, 8, 16, 32, 64])
+    latencies = args.latencies_ms if args.latencies_ms is not None else [0, 50, 100] + list(range(200, 1001, 100))
+    # The clock holds a W x W matrix for each of a ring's 2(W-1) hops: 256 workers already take 270 MB.
+    in_range = f"in [1, {MAX_SCALE_WORKERS}]"
+    checks = [("--workers", workers, 1 <= workers <= MAX_SCALE_WORKERS, in_range),
+              ("--params", args.params, 1 <= args.params <= MAX_SCALE_PARAMS, f"in [1, {MAX_SCALE_PARAMS:g}]"),
+              ("--compute-ms", args.compute_ms, 0 < args.compute_ms < float("inf"), "a positive number"),
+              ("--delay", args.delay, args.delay is None or args.delay >= 1, ">= 1"),
+              ("--period", args.period, args.period is None or args.period >= 1, ">= 1"),
+              ("--delay", args.delay, args.delay is None or args.delay <= MAX_SCALE_PERIOD,
+               f"at most {MAX_SCALE_PERIOD}"),
+              ("--period", args.period, args.period is None or args.period <= MAX_SCALE_PERIOD,
+               f"at most {MAX_SCALE_PERIOD}")]
+    checks += [("--worker-counts", w, 1 <= w <= MAX_SCALE_WORKERS, in_range) for w in counts]
+    checks += [("--latencies-ms", v, 0 <= v < float("inf"), "a number >= 0") for v in latencies]
+    for flag, value, ok, expected in checks:
+        if not ok:
+            raise BadInput(f"{flag} must be {expected}, got {value!r}")
+    out = Path(args.out)
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if out.is_dir() or blocker is not None:
+        raise BadInput(f"--out {str(out)!r} cannot be written: {str(blocker or out)!r} is "
+                       f"{'a file' if blocker else 'a directory'}")
+    # The plot's format follows the name; a table goes beside it as .md, so the name must say .png.
+    if out.suffix.lower() != ".png":
+        raise BadInput(f"--out must name a .png file (the Markdown table goes beside it, as "
+                       f"{out.with_suffix('.md').name}), got {str(out)!r}")
+    check_writable("--out", out, directory=False)
+    if out.with_suffix(".md").is_dir():
+        raise BadInput(f"--out {str(out)!r}: its table would go to {str(out.with_suffix('.md'))!r}, a directory")
+    check_writable("--out", out.with_suffix(".md"), directory=False)
+    return values, workers, counts, latencies, out

@@ -457,28 +457,28 @@ def test_bad_input_in_a_resumed_run_reaches_the_machines_without_its_directory(t
 def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """The rendezvous store takes writes from anyone: a resumed rank's config, taken there, is checked against rank
     0's own, sent over the process group, and every rank stops naming the rank and the setting that differs."""
-    from shaky import cli
-    from shaky.comm import dist as shaky_dist
+    from shaky.comm.dist import ForgedRecord
     from shaky.config import RunConfig, to_dict
+    from shaky.job import checks
 
     ours = RunConfig(backend="dist", num_workers=2)
     rank0 = json.loads(json.dumps(to_dict(ours)))
     rank0["optim"]["lr"] = 0.5
-    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: (rank0, None))
-    monkeypatch.setattr(shaky_dist, "gather_object", lambda value: [(None, *value[1:]), value])     # as rank 1 of 2
-    with pytest.raises(shaky_dist.ForgedRecord, match=r"rank 1: .*\(its optim\.lr is 0\.1, rank 0's 0\.5\)"):
-        cli._check_same_config(ours, resumed=True)
+    monkeypatch.setattr(checks, "broadcast_object", lambda value: (rank0, None))
+    monkeypatch.setattr(checks, "gather_object", lambda value: [(None, *value[1:]), value])     # as rank 1 of 2
+    with pytest.raises(ForgedRecord, match=r"rank 1: .*\(its optim\.lr is 0\.1, rank 0's 0\.5\)"):
+        checks.check_same_config(ours, resumed=True)
     rank0["optim"]["lr"], rank0["dist"]["host"], rank0["data"]["path"] = 0.1, "10.0.0.1", "/elsewhere/data.npz"
-    cli._check_same_config(ours, resumed=True)      # settings of a machine's own may differ
+    checks.check_same_config(ours, resumed=True)      # settings of a machine's own may differ
 
 
 def test_a_machine_whose_data_is_not_rank_0_s_stops_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """data.path and network.trace may differ between machines, what they hold may not: each rank's digest of the
     data it loaded (and of a replayed trace) is compared with rank 0's, and a difference names the rank, the
     setting and both paths; the same data under another path trains."""
-    from shaky import cli
-    from shaky.comm import dist as shaky_dist
     from shaky.config import DataConfig, ModelConfig, RunConfig, machine_settings, to_dict
+    from shaky.errors import BadInput
+    from shaky.job import checks
 
     plain = RunConfig(backend="dist", num_workers=2)
     ours = dataclasses.replace(plain, data=DataConfig(dataset="text", path="/here/data.txt"),
@@ -486,30 +486,30 @@ def test_a_machine_whose_data_is_not_rank_0_s_stops_every_rank(monkeypatch: pyte
     rank0 = json.loads(json.dumps(to_dict(ours)))
     rank0["data"]["path"] = "/there/data.txt"
     digests = {"data": "ab" * 32}
-    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: (rank0, None))
+    monkeypatch.setattr(checks, "broadcast_object", lambda value: (rank0, None))
 
     def rank0_read(data: tuple[str, str], trace: tuple[str, str] | None = None) -> None:
         """rank 0's data (path, digest) and trace, as rank 1 of 2 gathers them"""
         settings = {"data.path": data[0], "network.trace": trace[0] if trace else ""}
         inputs = {"data": data[1], **({"network.trace": trace[1]} if trace else {})}
-        monkeypatch.setattr(shaky_dist, "gather_object",
+        monkeypatch.setattr(checks, "gather_object",
                             lambda value: [(None, {"settings": settings, "inputs": inputs}, value[2]), value])
 
     rank0_read(("/there/data.txt", "cd" * 32))
-    with pytest.raises(cli.BadInput, match=(r"^rank 1's data.path '/here/data.txt' holds other text data than rank "
+    with pytest.raises(BadInput, match=(r"^rank 1's data.path '/here/data.txt' holds other text data than rank "
                                             r"0's '/there/data.txt' \(sha256 abababababab, rank 0's cdcdcdcdcdcd\)")):
-        cli._check_same_config(ours, resumed=False, inputs=digests)
+        checks.check_same_config(ours, resumed=False, inputs=digests)
     rank0_read(("/there/data.txt", "ab" * 32), ("t0.npz", "00" * 32))
-    with pytest.raises(cli.BadInput, match=r"rank 1's network.trace 't1.npz' holds other masks than rank 0's 't0.npz'"):
-        cli._check_same_config(dataclasses.replace(ours, network=dataclasses.replace(ours.network, trace="t1.npz")),
+    with pytest.raises(BadInput, match=r"rank 1's network.trace 't1.npz' holds other masks than rank 0's 't0.npz'"):
+        checks.check_same_config(dataclasses.replace(ours, network=dataclasses.replace(ours.network, trace="t1.npz")),
                                resumed=False, inputs={**digests, "network.trace": "11" * 32})
     ours = plain
-    monkeypatch.setattr(shaky_dist, "broadcast_object", lambda value: (json.loads(json.dumps(to_dict(plain))), None))
+    monkeypatch.setattr(checks, "broadcast_object", lambda value: (json.loads(json.dumps(to_dict(plain))), None))
     rank0_read(("", "cd" * 32))
-    with pytest.raises(cli.BadInput, match=r"^rank 1 loads other digits data than rank 0 \(sha256 abababababab, "):
-        cli._check_same_config(ours, resumed=True, inputs=digests)   # the machine's data, not a forged record
+    with pytest.raises(BadInput, match=r"^rank 1 loads other digits data than rank 0 \(sha256 abababababab, "):
+        checks.check_same_config(ours, resumed=True, inputs=digests)   # the machine's data, not a forged record
     rank0_read(("/there", "ab" * 32))
-    machines = cli._check_same_config(ours, resumed=False, inputs=digests)    # the same data, wherever it lies
+    machines = checks.check_same_config(ours, resumed=False, inputs=digests)    # the same data, wherever it lies
     assert machines[1] == {"settings": machine_settings(ours), "inputs": digests}, machines
 
 
@@ -518,19 +518,20 @@ def test_a_rank_with_other_data_is_not_taken_back(tmp_path: Path) -> None:
     published with the run, and stops alone with one line before it asks to be taken back."""
     from types import SimpleNamespace
 
-    from shaky import cli
     from shaky.config import RunConfig, to_dict
+    from shaky.errors import AloneBadInput
+    from shaky.job import rank
+    from shaky.job.env import JobEnv
     from shaky.setup import inputs_digest, prepare
 
     cfg = RunConfig(backend="dist", num_workers=2)
     setup = prepare(cfg, measure=False)
     record = {"transport": "udp", "config": json.loads(json.dumps(to_dict(cfg))), "run_dir": str(tmp_path),
               "compute_ms": 1.0, "inputs": {"data": "cd" * 32}}
-    args = SimpleNamespace(quiet=True)
-    with pytest.raises(cli.AloneBadInput, match=(r"rank 1 cannot rejoin the run in progress at .*: its data.path '' "
+    with pytest.raises(AloneBadInput, match=(r"rank 1 cannot rejoin the run in progress at .*: its data.path '' "
                                                  r"holds other digits data than the run's \(sha256 [0-9a-f]{12}, "
                                                  r"the run's cdcdcdcdcdcd\)")):
-        cli._rejoin_dist(args, setup, SimpleNamespace(record=record, rank=1))
+        rank.rejoin(JobEnv(), setup, SimpleNamespace(record=record, rank=1), quiet=True)
     assert inputs_digest(setup) == inputs_digest(prepare(cfg, measure=False))   # a digest is the data's, each time
 
 
@@ -538,25 +539,25 @@ def test_a_rank_taken_back_checks_its_config_and_data_against_the_welcome() -> N
     """The record a process started again for a dead rank read came from the rendezvous store, which anyone can
     write; the survivors' welcome is sealed with the run's key and carries the run's config and data digests: a
     rank whose own differ from those leaves before its model is averaged (ForgedRecord)."""
-    from shaky import cli
     from shaky.comm.dist import ForgedRecord
     from shaky.config import RunConfig, to_dict
+    from shaky.job.checks import check_taken_back
     from shaky.setup import inputs_digest, prepare
 
     cfg = RunConfig(backend="dist", num_workers=2)
     setup = prepare(cfg, measure=False)
     run = {"config": json.loads(json.dumps(to_dict(cfg))), "inputs": inputs_digest(setup)}
     run["config"]["device"] = "cuda:3"          # a machine's own setting may differ
-    cli._check_taken_back(cfg, setup, run, 1)
+    check_taken_back(cfg, setup, run, 1)
     run["config"]["optim"]["lr"] = 0.7
     with pytest.raises(ForgedRecord, match=r"^rank 1 was taken back into a run whose optim.lr is 0.7, not 0.1 as the "
                                            r"run's record in the rendezvous store said"):
-        cli._check_taken_back(cfg, setup, run, 1)
+        check_taken_back(cfg, setup, run, 1)
     run["config"]["optim"]["lr"] = 0.1
     run["inputs"] = {"data": "ab" * 32}
     with pytest.raises(ForgedRecord, match=r"^rank 1 was taken back into a run that read other data: its data.path '' "
                                            r"holds other digits data \(sha256 [0-9a-f]{12}, the run's abababababab\)"):
-        cli._check_taken_back(cfg, setup, run, 1)
+        check_taken_back(cfg, setup, run, 1)
 
 
 TEXT = "\n".join(f"{'good' if i % 2 else 'bad'}\t{'a fine day' if i % 2 else 'a poor day'} number {i}"
@@ -711,7 +712,7 @@ def test_on_a_machine_without_rank_0_a_udp_group_restart_names_the_run_s_stop_no
     for _ in range(2):
         launcher.procs[5].status = -signal.SIGKILL
         launcher._watch()
-    for rank in (3, 4):     # what a rank that rank 0's end stopped tells its launcher (cli._run_stopped)
+    for rank in (3, 4):     # what a rank that rank 0's end stopped tells its launcher (shaky.job.rank.run_stopped)
         (tmp_path / f"run-{rank}.json").write_text(json.dumps({"run_dir": "/abs/run", "transport": "udp",
                                                                "stopped": True}))
         launcher.procs[rank].status = 3

@@ -288,7 +288,9 @@ def test_under_an_agent_hosted_rendezvous_store_the_rounds_progress_and_heartbea
 
     import torch.distributed as dist  # noqa: PLC0415
 
-    from shaky.comm.dist import RUN_KEY  # noqa: PLC0415 (the attempt 0's, which the environment below names)
+    from shaky.job.rendezvous import keys  # noqa: PLC0415
+
+    run_key = keys("0").run     # the attempt 0's, which the environment below names
 
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -305,7 +307,7 @@ def test_under_an_agent_hosted_rendezvous_store_the_rounds_progress_and_heartbea
     assert agent.check(["shaky/udp/1/control"])
     status, host, control_port = agent.get("shaky/udp/1/control").decode().split(" ")
     assert status == "ok" and host == "127.0.0.1" and int(control_port) != port
-    assert agent.check(["shaky/udp/1/addr/1", RUN_KEY])          # what does belong there
+    assert agent.check(["shaky/udp/1/addr/1", run_key])          # what does belong there
     rounds_keys = [f"shaky/udp/1/q/{n}/{r}" for n in range(rounds) for r in (0, 1)]
     for key in [*rounds_keys, "shaky/step/0", "shaky/step/1", "shaky/beat/0", "shaky/beat/1"]:
         assert not agent.check([key]), key

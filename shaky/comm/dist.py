@@ -14,7 +14,7 @@ arrived, gathered from every rank after each exchange. The rest (exact means,
 checkpoints, evaluation, the deadline agreement) stays on gloo, or, with live
 membership (``shaky train``'s default on udp), goes through a store that rank 0
 hosts (:class:`_ControlStore`) in :class:`_Quorum` rounds: a rank that dies is left out and the survivors train
-on, and a process started again for it is taken back (:func:`run_in_progress`,
+on, and a process started again for it is taken back (``shaky.job.rendezvous.run_in_progress``,
 :meth:`UdpDistComm.welcome`)."""
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
-import importlib
 import io
 import json
 import os
@@ -157,7 +156,7 @@ class DistComm:
     def __init__(self, *, heartbeat: bool = False, joining: JoinStore | None = None) -> None:
         """``heartbeat``: a thread beats in the rendezvous store, so that :meth:`diagnose_failure` can tell
         a rank that died from one that hangs (``shaky train`` turns it on; a user's own loop need not).
-        ``joining``: this process was started again for a dead rank of a run in progress (:func:`run_in_progress`):
+        ``joining``: this process was started again for a dead rank of a run in progress (``shaky.job``):
         it has no process group, only the rendezvous store (a udp run takes it back, :class:`UdpDistComm`)."""
         if joining is not None:
             self.rank, self.num_workers, self._store = joining.rank, joining.num_workers, joining.store
@@ -263,14 +262,15 @@ class DistComm:
         """Marks this rank's progress in the store where survivors of a failure read it (a request a step)."""
         self._progress_store.set(f"shaky/step/{self.rank}", str(step))
 
-    def publish_run(self, record: dict[str, Any]) -> None:
+    def publish_run(self, record: dict[str, Any], *, key: str) -> None:
         """Rank 0: what a process started again for a dead rank needs to know of the run (its directory, its
-        config, the measured compute time), in the rendezvous store (:func:`run_in_progress`)."""
-        self._store.set(RUN_KEY, json.dumps(record))
+        config, the measured compute time), at ``key`` in the rendezvous store (``shaky.job.rendezvous``)."""
+        self._store.set(key, json.dumps(record))
 
-    def end_run(self) -> None:
-        """Rank 0, the run finished: a process still waiting to be taken back learns that it will not be."""
-        self._store.set(ENDED_KEY, "1")
+    def end_run(self, *, key: str) -> None:
+        """Rank 0, the run finished: a process still waiting to be taken back learns that it will not be (``key``:
+        the job's, ``shaky.job.rendezvous``)."""
+        self._store.set(key, "1")
 
     def barrier(self) -> None:
         """Every rank got here."""
@@ -439,8 +439,9 @@ DEFAULT_PORTS = DistConfig().port_range()
 """The UDP ports a rank may bind by default (``dist.ports``)."""
 
 
-def load_key(key_file: str = "") -> bytes | None:
-    """The udp key from ``key_file`` (``dist.key_file``) or else ``$SHAKY_KEY``; None if neither is given.
+def load_key(key_file: str = "", key_text: str | None = None) -> bytes | None:
+    """The udp key from ``key_file`` (``dist.key_file``) or else ``key_text`` (``$SHAKY_KEY``, which the caller
+    read); None if neither is given.
 
     The material (a file's bytes or the variable's text, white space stripped at both ends, at least
     16 bytes) is hashed with SHA-256 into the 32-byte HMAC key, so ``head -c 32 /dev/urandom`` and
@@ -452,8 +453,8 @@ def load_key(key_file: str = "") -> bytes | None:
         except OSError as exc:
             raise ValueError(f"dist.key_file {key_file!r} cannot be read: {exc.strerror or exc}") from None
         where = f"dist.key_file {key_file!r}"
-    elif os.environ.get(KEY_ENV) is not None:
-        material, where = os.environ[KEY_ENV].encode(), f"the environment variable {KEY_ENV}"
+    elif key_text is not None:
+        material, where = key_text.encode(), f"the environment variable {KEY_ENV}"
     else:
         return None
     material = material.strip()
@@ -463,12 +464,12 @@ def load_key(key_file: str = "") -> bytes | None:
     return hashlib.sha256(b"shaky udp key\0" + material).digest()
 
 
-def agreed_key(key_file: str = "") -> bytes | None:
+def agreed_key(key_file: str = "", key_text: str | None = None) -> bytes | None:
     """:func:`load_key` on every rank (a collective): a key file one rank cannot read stops every rank with the
     same ValueError, which names that rank, instead of leaving the others waiting for it."""
     key, error = None, ""
     try:
-        key = load_key(key_file)
+        key = load_key(key_file, key_text)
     except ValueError as exc:
         error = str(exc)
     errors = [""] * dist.get_world_size()
@@ -479,9 +480,9 @@ def agreed_key(key_file: str = "") -> bytes | None:
     return key
 
 
-def local_address() -> str:
-    """The IPv4 address this machine uses to reach MASTER_ADDR (127.0.0.1 when that is this machine)."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+def local_address(master: str = "127.0.0.1") -> str:
+    """The IPv4 address this machine uses to reach ``master`` (MASTER_ADDR; 127.0.0.1 when that is this
+    machine)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((master, 9))   # a UDP connect sends nothing: it only picks the route
@@ -541,15 +542,6 @@ def shorten_store_retransmits(port: int) -> float | None:
     return held
 
 
-ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-"""torchrun's count of the times it started its workers again: its agent's store outlives an attempt, so shaky's
-keys there name the attempt (``shaky launch`` starts a new store with every rank 0)."""
-RUN_KEY = f"shaky/run/{ATTEMPT}"
-"""The run record (:meth:`DistComm.publish_run`) in the rendezvous store: its presence means a run is in progress."""
-ENDED_KEY = f"shaky/ended/{ATTEMPT}"
-"""Set in the rendezvous store when the run has finished, or stopped for a failure."""
-
-
 def rendezvous_store() -> dist.Store:
     """The rendezvous store itself (MASTER_ADDR:MASTER_PORT's), under the prefixes torch's process groups add:
     shaky's keys live there, where a process started again for a dead rank, which has no process group, reads
@@ -569,165 +561,6 @@ class JoinStore(NamedTuple):
     num_workers: int
     record: dict[str, Any]
     """The run record rank 0 published (:meth:`DistComm.publish_run`)."""
-
-
-class NoStore(RuntimeError):
-    """No rendezvous store answered at MASTER_ADDR:MASTER_PORT in time: the process group cannot form."""
-
-
-def _knock(host: str, port: int, deadline: float) -> str | None:
-    """Waits until something listens at ``host:port`` (None), or says what was last seen there at ``deadline``.
-    A plain socket, before torch's store client: that one retries a refused connect well past the timeout it is
-    given, logging a stack trace at each try."""
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            socket.create_connection((host, port), timeout=max(min(left, 2.0), 0.01)).close()
-            return None
-        except OSError as exc:
-            if deadline - time.monotonic() <= 0:
-                return f"{host}:{port}: {exc.strerror or exc}"
-            time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
-
-
-def run_in_progress(timeout_s: float) -> JoinStore | None:
-    """For a process of rank > 0 before it joins the process group: the rendezvous store and the run record when
-    a run is already in progress at MASTER_ADDR:MASTER_PORT (this process was started again for a rank that died),
-    else None (the run starts: rank 0 publishes its record only after every rank has joined). Waits up to
-    ``timeout_s`` for the store to come up, as joining the group would."""
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if rank == 0 or not host or not port:
-        return None
-    deadline = time.monotonic() + timeout_s
-    why = _knock(host, int(port), deadline)
-    if why is not None:
-        raise NoStore(f"no store answered at {host}:{port} within {timeout_s:g} s ({why})")
-    try:
-        raw = dist.TCPStore(host, int(port), is_master=False,
-                            timeout=timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
-    except (RuntimeError, ValueError):   # the store went again: joining the group will say so
-        return None
-    if not raw.check([RUN_KEY]) or raw.check([ENDED_KEY]):
-        _claim_rank(raw, rank)
-        return None
-    record = json.loads(raw.get(RUN_KEY).decode())
-    if record.get("transport") != "udp":    # gloo takes no rank back: another process as this rank is a second one
-        _claim_rank(raw, rank)
-    return JoinStore(raw, rank, world, record)
-
-
-class RankTaken(ValueError):
-    """Another process already holds this rank in the group that is forming (two launchers given one
-    --node-rank, or different --nproc-per-node): bad input of this process alone."""
-
-
-def _claim_rank(store: dist.Store, rank: int) -> None:
-    """A rank > 0 about to join a new process group claims its rank in the rendezvous store, in the name of its
-    machine and launcher (the same launcher starting it again is the same claimant); RankTaken where another
-    holds it. Without this the two would both join as that rank, and the group fail or hang."""
-    mine = f"host {socket.gethostname()}, launcher pid {os.getppid()}, machine {os.environ.get('GROUP_RANK', '?')}"
-    holder = store.compare_set(f"{CLAIM_PREFIX}{rank}", "", mine).decode()
-    if holder != mine:
-        raise RankTaken(f"rank {rank} is held by another process ({holder}; this one: {mine}): give each machine "
-                        "its own --node-rank and every machine the same --nproc-per-node")
-
-
-CLAIM_PREFIX = f"shaky/rank/{ATTEMPT}/"
-"""Where each rank > 0 claims its rank before the process group forms (:func:`_claim_rank`)."""
-
-
-RESUME_KEY = f"shaky/resume/{ATTEMPT}"
-"""A resumed run's config and directory, or the bad input that stops it, which rank 0 reads from the run
-directory and sets in the rendezvous store before the process group forms (:func:`hand_out_resume`): the other
-ranks' machines need no copy of the directory."""
-RESUME_READ_KEY = f"shaky/resume-read/{ATTEMPT}"
-"""How many ranks have read :data:`RESUME_KEY` (a counter)."""
-_early_stores: list[dist.Store] = []
-"""Rank 0's own handle on the rendezvous store, opened before the process group: it hosts the store there (torch's
-server is shared by every TCPStore of the process on that port), and must outlive the group's handle."""
-
-
-def _job_address() -> tuple[int, int, str, int]:
-    """RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT of a torchrun-style job."""
-    try:
-        return (int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1")), os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]))
-    except (KeyError, ValueError) as exc:
-        raise ValueError(f"backend dist must be started by torchrun or shaky launch (RANK, WORLD_SIZE, "
-                         f"MASTER_ADDR and MASTER_PORT: {exc})") from None
-
-
-def hand_out_resume(answer: dict[str, Any], timeout_s: float) -> None:
-    """Rank 0 of a resumed run, before it joins the process group: sets ``answer`` (``{"config", "run_dir"}``,
-    or ``{"error"}``) in the rendezvous store, which it opens as joining the group would (hosting it, unless
-    torchrun's agent does). With an error it then waits, at most ``timeout_s``, until every other rank has read
-    it: the store may go with this process, and they would wait for it until their timeout."""
-    _, world, host, port = _job_address()
-    # As torch.distributed's env:// rendezvous makes it, without waiting for the other ranks to join (they join
-    # the group later, and the group's handle waits for them). The package's name `rendezvous` is a function.
-    rendezvous = importlib.import_module("torch.distributed.rendezvous")
-    hosts = not rendezvous._torchelastic_use_agent_store()
-    store = dist.TCPStore(host, port, world if hosts else None, is_master=hosts, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False, multi_tenant=hosts,
-                          use_libuv=rendezvous._get_use_libuv_from_query_dict({}))
-    _early_stores.append(store)
-    store.set(RESUME_KEY, json.dumps(answer))
-    if "error" in answer:
-        deadline = time.monotonic() + timeout_s
-        while store.add(RESUME_READ_KEY, 0) < world - 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-
-class NoResume(RuntimeError):
-    """A rank > 0 of a resumed run got nothing from rank 0 (no store, or rank 0 went before it answered)."""
-
-
-def resumed_run(timeout_s: float) -> dict[str, Any]:
-    """Rank > 0 of a resumed run, before it joins the process group: rank 0's answer (:func:`hand_out_resume`),
-    or, where a udp run is in progress (this process was started again for a rank of it), its record's config
-    and directory (:func:`run_in_progress` then takes it back). A store whose run has ended, or a gloo run's
-    (which takes no rank back), belongs to the attempt before: it is waited out, as a store that goes away is,
-    until the next one answers. Waits at most ``timeout_s`` in all."""
-    rank, _, host, port = _job_address()
-    deadline = time.monotonic() + timeout_s
-    seen = "no store"
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise NoResume(f"rank {rank} got no answer from rank 0 at {host}:{port} within {timeout_s:g} s: a "
-                           "resumed run's config and checkpoint come from rank 0, which reads the run directory "
-                           f"(is it running? {seen})")
-        knocked = _knock(host, port, deadline)
-        if knocked is not None:
-            seen = knocked
-            continue
-        try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(left, 10.0)))
-            while time.monotonic() < deadline:
-                if store.check([ENDED_KEY]):
-                    seen = "the store there is the ended run's"
-                elif store.check([RESUME_KEY]):
-                    answer = json.loads(store.get(RESUME_KEY).decode())
-                    store.add(RESUME_READ_KEY, 1)
-                    break
-                elif store.check([RUN_KEY]):
-                    record = json.loads(store.get(RUN_KEY).decode())
-                    if record.get("transport") == "udp":
-                        answer = {"config": record["config"], "run_dir": record["run_dir"],
-                                  "machines": record.get("machines", {})}
-                        break
-                    seen = "the store there is a gloo run's, which takes no rank back"
-                time.sleep(0.05)
-            else:
-                continue
-        except (RuntimeError, ValueError) as exc:   # DistStoreError (a timeout), DistNetworkError: RuntimeErrors
-            seen = " ".join(str(exc).split())[:80]
-            time.sleep(0.2)
-            continue
-        if not isinstance(answer, dict) or not ({"error"} <= answer.keys() or {"config", "run_dir"} <= answer.keys()):
-            raise NoResume(f"rank {rank}: {RESUME_KEY} in the store at {host}:{port} is not shaky's answer")
-        return answer
 
 
 class NotTakenBack(RuntimeError):
@@ -1119,12 +952,14 @@ class UdpDistComm(DistComm):
     def __init__(self, *, deadline_ms: float | None = None, key: bytes | None = None, ports: range | None = None,
                  host: str | None = None, options: UdpOptions | None = None, heartbeat: bool = False,
                  announce: bool = True, lanes: int = 1, latency_s: list[float] | None = None,
-                 heartbeat_timeout_s: float | None = None, joining: JoinStore | None = None) -> None:
+                 heartbeat_timeout_s: float | None = None, joining: JoinStore | None = None,
+                 master_addr: str = "127.0.0.1") -> None:
         """``deadline_ms``: a fixed phase deadline (None: adaptive; the first round, with no history, gets
         :func:`first_deadline_s` of its row). ``key``: 32 bytes
         (``load_key``); None: rank 0 makes one for this run and hands it out through the store, and every
         rank says so on stderr (``announce``). ``ports``: the range a rank binds the first free port of.
-        ``host``: this rank's address as the others reach it (None: ``local_address()``).
+        ``host``: this rank's address as the others reach it (None: ``local_address(master_addr)``, the one
+        this machine reaches ``master_addr``, MASTER_ADDR, from).
         ``lanes``: exchanges that may be in flight at once (a delayed exchange's slots): each lane is a
         socket of its own, driven by a thread of its own, so that the exchanges launched at consecutive
         steps overlap each other as well as the compute (their latencies pipeline). ``latency_s``: the
@@ -1167,7 +1002,7 @@ class UdpDistComm(DistComm):
             raise ValueError(f"lanes must be an integer in [1, {MAX_LANES}], got {lanes!r}")
         exchanges: list[UdpExchange] = []
         try:
-            address = host or local_address()
+            address = host or local_address(master_addr)
             for _ in range(lanes):
                 exchanges.append(UdpExchange(rank=me, num_workers=w, key=key, run_id=run_id, host=address,
                                              ports=ports or DEFAULT_PORTS, options=options, latency_s=latency_s))
@@ -1338,17 +1173,17 @@ class UdpDistComm(DistComm):
             self._beats_seen[r] = (self._beats_seen.get(r, (None, now))[0], now)
         self._changed(live, entry)
 
-    def await_welcome(self, timeout_s: float) -> dict[str, Any]:
+    def await_welcome(self, timeout_s: float, *, ended_key: str) -> dict[str, Any]:
         """A rank started again: waits until the survivors take it back and returns the training loop's part of
-        what they handed over (:meth:`welcome`). Raises NotTakenBack when the run ends first, its store goes,
-        or ``timeout_s`` passes."""
+        what they handed over (:meth:`welcome`). Raises NotTakenBack when the run ends first (``ended_key`` is
+        set in the rendezvous store), its store goes, or ``timeout_s`` passes."""
         q, me = self._quorum, self.rank
         if q is None:
             raise RuntimeError("ranks are taken back only with live membership")
         deadline = time.monotonic() + timeout_s
         try:
             while not q.store.check([q.welcome_key(me)]):
-                if self._store.check([ENDED_KEY]):
+                if self._store.check([ended_key]):
                     raise NotTakenBack(f"the run ended before rank {me} was taken back")
                 if time.monotonic() > deadline:
                     raise NotTakenBack(f"rank {me} was not taken back within {timeout_s:g} s (dist.timeout_s): "
@@ -1708,7 +1543,8 @@ def first_deadline_s(row_bytes: int) -> float:
 
 
 def udp_comm(settings: DistConfig, *, heartbeat: bool = False, lanes: int = 1,
-             latency_ms: Sequence[Sequence[float]] | None = None, joining: JoinStore | None = None) -> UdpDistComm:
+             latency_ms: Sequence[Sequence[float]] | None = None, joining: JoinStore | None = None,
+             key_text: str | None = None, master_addr: str = "127.0.0.1") -> UdpDistComm:
     """The udp transport's comm for the ``[dist]`` settings, built by every rank together (a collective):
     ``shaky train --transport udp`` and ``RPSAverager(transport="udp")`` both start it here. A key file that
     one rank cannot read, a rank with no free port or keys that differ raise the same ValueError on every rank.
@@ -1716,7 +1552,9 @@ def udp_comm(settings: DistConfig, *, heartbeat: bool = False, lanes: int = 1,
     ``lanes``: exchanges in flight at once (:class:`UdpDistComm`; more than :data:`MAX_LANES` are capped, the
     rest queue). ``latency_ms``: the network model's [W, W] one-way latencies, emulated where
     ``settings.emulate_latency`` (required then). ``joining``: a process started again for a dead rank
-    (:func:`run_in_progress`), built alone (it reads the others' addresses and asks to be taken back)."""
+    (``shaky.job.rendezvous.run_in_progress``), built alone (it reads the others' addresses and asks to be taken
+    back). ``key_text``: ``$SHAKY_KEY`` (:func:`load_key`); ``master_addr``: MASTER_ADDR (:func:`local_address`),
+    both as the caller read them from the environment."""
     options = UdpOptions(datagram_bytes=settings.datagram_bytes, send_rate_mbps=settings.send_rate_mbps or None)
     latency_s = None
     if settings.emulate_latency:
@@ -1724,30 +1562,16 @@ def udp_comm(settings: DistConfig, *, heartbeat: bool = False, lanes: int = 1,
             raise ValueError("dist.emulate_latency needs the network's latencies (network.latency_ms)")
         latency_s = [float(v) / 1e3 for v in latency_ms[dist.get_rank() if joining is None else joining.rank]]
     comm = UdpDistComm(deadline_ms=None if settings.deadline_ms == "adaptive" else float(settings.deadline_ms),
-                       key=agreed_key(settings.key_file) if joining is None else load_key(settings.key_file),
+                       key=(agreed_key(settings.key_file, key_text) if joining is None
+                            else load_key(settings.key_file, key_text)),
                        ports=settings.port_range(), host=settings.host or None,
                        heartbeat=heartbeat, options=options, lanes=min(max(1, lanes), MAX_LANES),
                        latency_s=latency_s, heartbeat_timeout_s=settings.heartbeat_timeout_s if heartbeat else None,
-                       joining=joining)
+                       joining=joining, master_addr=master_addr)
     warning = python_path_warning(options)
     if warning and comm.rank == 0:
         say(f"shaky: warning: {warning}")
     return comm
-
-
-def init_from_env(timeout_s: float) -> None:
-    """Joins the process group that torchrun describes in the environment.
-
-    Training runs on the CPU, so the group is gloo; collectives that wait longer
-    than ``timeout_s`` fail instead of hanging.
-    """
-    if dist.is_initialized():
-        return
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise ValueError(f"backend dist must be started by torchrun (the environment lacks {', '.join(missing)}); "
-                         "e.g. torchrun --nproc-per-node 4 -m shaky train --backend dist ...")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def broadcast_object(value: object) -> object:

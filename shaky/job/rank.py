@@ -1,0 +1,223 @@
+"""One rank of a dist run (torchrun or ``shaky launch``): its start, its rejoin, its stop.
+
+What happens when rank R dies:
+
+* gloo (and udp without live membership): the next collective fails on every other rank; each names the rank
+  whose heartbeat went silent (``rank R stopped answering after step N``) and the last checkpoint, in one line,
+  and exits with status 3 (:func:`run_stopped`).
+* udp with ``dist.heartbeat_timeout_s`` (live membership, its default): the survivors leave R out once its
+  heartbeat has been silent that long and train on; a process started again as R (``shaky launch
+  --max-restarts``) finds the run in progress (:func:`joining`) and is taken back at a step's start
+  (:func:`rejoin`).
+* R = 0 hosts the run's stores and writes its directory: its death ends the run on every transport (``rank 0,
+  which hosts the run's store, is gone``, status 3).
+* A run that stopped is started again from its last checkpoint by ``shaky launch --max-restarts`` (every rank
+  with ``--resume``: :mod:`shaky.job.resume`).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shaky.comm.dist import (DistComm, ForgedRecord, JoinStore, LeftBehind, NotTakenBack, broadcast_object,
+                             udp_comm)
+from shaky.comm.staged import StagedComm
+from shaky.config import MACHINE_SETTINGS, first_difference, machine_settings, to_dict
+from shaky.errors import AloneBadInput, BadInput, Stop
+from shaky.job.checks import check_same_config, check_taken_back, claim_run_dir, faults, other_inputs
+from shaky.job.env import JobEnv
+from shaky.job.rendezvous import NoStore, RankTaken, init_group, job_keys, no_group, run_in_progress
+from shaky.job.stop import checkpoint_note, dist_command, launcher, stopping
+from shaky.launch import tell_launcher
+from shaky.progress import say
+from shaky.rundir import read_machines
+from shaky.setup import inputs_digest, measured_compute_ms
+from shaky.train import train
+
+
+def joining(env: JobEnv, timeout_s: float) -> JoinStore | None:
+    """A process of a torchrun-style job (RANK > 0) started again for a rank that died: the run in progress
+    at MASTER_ADDR:MASTER_PORT (:func:`shaky.job.rendezvous.run_in_progress`), else None."""
+    if env.rank is None or env.rank == "0" or env.master_port is None:
+        return None
+    try:
+        return run_in_progress(env, timeout_s)
+    except RankTaken as exc:    # said here: rank 0 does not know of this process
+        raise AloneBadInput(str(exc)) from None
+    except NoStore as exc:
+        tell_launcher(env.run_file, None, None, stopped=True)     # not a rank to start again alone: there is no run
+        raise no_group(env, timeout_s, str(exc)) from None
+
+
+def rejoin(env: JobEnv, setup: Any, joining: Any, *, quiet: bool) -> int:
+    """A process started again for a dead rank of a udp run: the survivors take it back at a step's start and it
+    trains on with them; it never writes the run directory (rank 0 does)."""
+    cfg, record, rank = setup.cfg, joining.record, joining.rank
+    where = f"{env.master_addr}:{env.master_port}"
+    if record.get("transport") != "udp":
+        raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: it uses the "
+                            f"{record.get('transport')} transport, on which a failure stops every rank "
+                            "(resume it from its checkpoint; --transport udp keeps training through failures)")
+    differs = first_difference(json.loads(json.dumps(to_dict(cfg))), record["config"], ignore=MACHINE_SETTINGS)
+    if differs is not None:
+        name, mine, theirs = differs
+        raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: its {name} is {mine!r}, the "
+                            f"run's is {theirs!r} (start it with the run's command line)")
+    differs = other_inputs(cfg, {"settings": machine_settings(cfg), "inputs": inputs_digest(setup)}, record,
+                           whose="the run's")
+    if differs is not None:
+        raise AloneBadInput(f"rank {rank} cannot rejoin the run in progress at {where}: its {differs[1]} than the "
+                            f"run's ({differs[2]})")
+    run_dir = Path(record["run_dir"])
+    setup.compute_ms = float(record["compute_ms"])
+    slots = setup.strategy.exchange.schedule.slots
+    try:
+        comm = udp_comm(cfg.dist, heartbeat=True, lanes=slots + 1 if slots else 1,
+                        latency_ms=setup.network.latency_ms.tolist(), joining=joining, key_text=env.key,
+                        master_addr=env.route_to)
+    except ValueError as exc:
+        raise AloneBadInput(str(exc)) from None
+    tell_launcher(env.run_file, str(run_dir), "udp")
+    try:
+        if not quiet:
+            say(f"shaky: rank {rank}: waiting to be taken back into the run in progress at {where} "
+                f"({run_dir})")
+        welcome = comm.await_welcome(cfg.dist_timeout_s, ended_key=job_keys(env).ended)
+        check_taken_back(cfg, setup, welcome.get("run", {}), rank)
+        if not quiet:
+            say(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}, "
+                f"{comm.join_wait_s:.2f} s after asking")
+        comm = staged(comm, setup)
+        with stopping(run_dir, dist_command(env), writer=False):
+            train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
+                  faults=faults(env), welcome=welcome)
+        comm.barrier()
+    except (LeftBehind, ForgedRecord) as exc:
+        say(f"shaky: error: {exc}")
+        return 3
+    except NotTakenBack as exc:    # the run ended or stopped: there is no run to rejoin
+        tell_launcher(env.run_file, str(run_dir), "udp", stopped=True)
+        say(f"shaky: error: {exc}")
+        return 3
+    except RuntimeError as exc:    # taken back, then the run's store went with its rank 0
+        here = run_dir if record.get("host") == socket.gethostname() else None
+        return run_stopped(env, comm, cfg, exc, run_dir, str(run_dir), here)
+    finally:
+        comm.close()
+    return 0
+
+
+def staged(comm: Any, setup: Any) -> Any:
+    """On a GPU rank, the host Comm (gloo or udp) behind pinned-memory staging (shaky.comm.staged)."""
+    if setup.device.type == "cpu":
+        return comm
+    return StagedComm(comm, setup.device)
+
+
+def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: bool) -> int:
+    """One worker of a torchrun job: rank 0 picks the run directory and writes it; all ranks train."""
+    cfg = setup.cfg
+    try:
+        init_group(env, cfg.dist_timeout_s)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    except RuntimeError as exc:     # DistStoreError, DistNetworkError: a rank that never came, a store that went
+        tell_launcher(env.run_file, None, None, stopped=True)     # not a rank to start again alone: there is no run
+        raise no_group(env, cfg.dist_timeout_s, str(exc)) from None
+    try:
+        if dist.get_world_size() != cfg.num_workers:
+            raise BadInput(f"num_workers is {cfg.num_workers} but {launcher(env)} started {dist.get_world_size()} "
+                           "processes; they must match (one worker per process)")
+        inputs = inputs_digest(setup)
+        recorded = read_machines(run_dir).get(0) if resume and dist.get_rank() == 0 else None
+        setup.machines = check_same_config(cfg, resumed=resume, inputs=inputs, recorded=recorded,
+                                           restarts=env.max_restarts)
+        if cfg.dist.transport == "udp":   # a lane for each exchange a delay keeps in flight, and the next one
+            slots = setup.strategy.exchange.schedule.slots
+            comm = udp_comm(cfg.dist, heartbeat=True, lanes=slots + 1 if slots else 1,
+                            latency_ms=setup.network.latency_ms.tolist(), key_text=env.key, master_addr=env.route_to)
+        else:
+            comm = DistComm(heartbeat=True)
+        comm = staged(comm, setup)
+    except ValueError as exc:    # udp: a key file, a port or the keys (on every rank alike)
+        dist.destroy_process_group()
+        raise BadInput(str(exc)) from None
+    except BadInput:
+        dist.destroy_process_group()   # leaving with the group alive can abort the process at exit
+        raise
+    except ForgedRecord as exc:
+        dist.destroy_process_group()
+        raise Stop(f"error: {exc}", 3) from None
+    # Every rank must agree on what rank 0 decided or measured.
+    shown, resolved, host = broadcast_object((str(run_dir), str(run_dir.resolve()), socket.gethostname()))
+    run_dir, writer = Path(shown), comm.rank == 0
+    # Where this rank may read the run directory for its lines: rank 0's machine only (elsewhere a copy of it
+    # under the same name could be stale).
+    local = run_dir if writer else Path(resolved) if host == socket.gethostname() else None
+    if writer and setup.compute_ms < 0:  # the machine's cached measurement, as the simulator uses
+        setup.compute_ms = measured_compute_ms(setup)
+    setup.compute_ms = float(broadcast_object(setup.compute_ms))
+    keys = job_keys(env)
+    if writer:
+        claim_run_dir(run_dir, resume=resume)
+        # What a process started again for a dead rank needs (udp takes it back; gloo says it cannot).
+        comm.publish_run({"run_dir": resolved, "compute_ms": setup.compute_ms,
+                          "config": to_dict(cfg), "transport": cfg.dist.transport, "host": host,
+                          "inputs": inputs, "machines": {str(rank): machine["settings"]
+                                                         for rank, machine in setup.machines.items()}}, key=keys.run)
+    tell_launcher(env.run_file, resolved, cfg.dist.transport)   # every rank: a launcher without rank 0 learns it too
+    try:
+        with stopping(run_dir, dist_command(env), writer=writer):
+            summary = train(setup, run_dir, comm=comm, resume=resume, writer=writer,
+                            label=cfg.strategy.name, progress=not quiet, faults=faults(env))
+        if writer:
+            comm.end_run(key=keys.ended)
+        # Tear down together: a rank that leaves while another still talks to it can abort the other.
+        comm.barrier()
+    except (LeftBehind, ForgedRecord) as exc:
+        if writer:
+            end_run(comm, keys.ended)
+        say(f"shaky: error: {exc}; last checkpoint: {checkpoint_note(run_dir, dist_command(env), local)}")
+        return 3
+    except (RuntimeError, dist.DistBackendError) as exc:
+        if writer:
+            end_run(comm, keys.ended)
+        return run_stopped(env, comm, cfg, exc, run_dir, resolved, local)
+    finally:
+        comm.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if writer:
+        if not quiet:
+            print(json.dumps(summary, indent=2))
+        print(f"run directory: {run_dir}")
+    return 0
+
+
+def run_stopped(env: JobEnv, comm: Any, cfg: Any, exc: Exception, run_dir: Path, resolved: str,
+                local: Path | None) -> int:
+    """A collective or the store failed: the run stopped (a rank died on gloo, or rank 0). Says which rank, in one
+    line, and tells the launcher that this rank ended with the run (it is not one to take back alone: the
+    launcher starts the run again as a whole). Status 3."""
+    found = comm.diagnose_failure(cfg.dist_timeout_s)
+    who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
+           "rank 0, which hosts the run's store, is gone")
+    tell_launcher(env.run_file, resolved, cfg.dist.transport, stopped=True)
+    say(f"shaky: error: {who} (rank {comm.rank} saw: {' '.join(str(exc).split())[:100]}); "
+        f"last checkpoint: {checkpoint_note(run_dir, dist_command(env), local)}")
+    return 3
+
+
+def end_run(comm: Any, key: str) -> None:
+    """Rank 0, the run stopped for a failure: said in its store while the store lasts, so that a process started
+    for the next attempt that reaches this one first does not take it for a run to join (``key``: the attempt's
+    :attr:`~shaky.job.rendezvous.Keys.ended`)."""
+    try:
+        comm.end_run(key=key)
+    except RuntimeError:     # the store no longer answers
+        pass
