@@ -50,7 +50,7 @@ def _worker(rank: int, port: int, sizes: list[int], repeats: int, results) -> No
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager  # noqa: PLC0415
 
     from shaky.averager import ModelAverager  # noqa: PLC0415
-    from shaky.comm.dist import DistComm  # noqa: PLC0415
+    from shaky.comm.gloo import DistComm  # noqa: PLC0415
     from shaky.config import NetworkConfig  # noqa: PLC0415
     from shaky.network.model import NetworkModel  # noqa: PLC0415
 

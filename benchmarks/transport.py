@@ -173,7 +173,8 @@ def _rank_main(rank: int, port: int, plan: list[tuple[int, float, list[str]]], r
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    from shaky.comm.dist import DistComm, UdpDistComm  # noqa: PLC0415
+    from shaky.comm.gloo import DistComm  # noqa: PLC0415
+    from shaky.comm.udp.comm import UdpDistComm  # noqa: PLC0415
     from shaky.config import NetworkConfig  # noqa: PLC0415
     from shaky.network.model import NetworkModel  # noqa: PLC0415
 
@@ -253,7 +254,7 @@ def run_rounds(sizes: list[int], losses: list[float], repeats: int, timeout_s: f
     """Every (op, size, loss): its round times, or why there are none; ``save`` gets the rows so far after each
     cell. Restarts the processes after a timeout."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "shaky.comm.dist", "shaky.comm.udp", "shaky.network.model"])
+    ctx.set_forkserver_preload(["torch", "shaky.comm.gloo", "shaky.comm.udp.comm", "shaky.network.model"])
     results: dict[tuple[str, int, float], dict[str, Any]] = {}
     timed_out: set[tuple[str, int, float]] = set()
     cells = [(n, p) for n in sizes for p in losses]

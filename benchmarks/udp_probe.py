@@ -298,7 +298,7 @@ def _exchange_rank(rank: int, world: int, port: int, key: bytes, sizes: list[int
     import torch.distributed as dist  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    from shaky.comm.dist import DistComm  # noqa: PLC0415
+    from shaky.comm.gloo import DistComm  # noqa: PLC0415
     from shaky.comm.udp import UdpExchange, UdpOptions  # noqa: PLC0415
 
     # gloo is the control plane here: addresses, barriers between rounds, and the baselines.

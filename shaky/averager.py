@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 
-from shaky.comm.dist import DistComm, UdpDistComm, udp_comm
+from shaky.comm.gloo import DistComm
+from shaky.comm.udp.comm import UdpDistComm, udp_comm
 from shaky.config import UDP_PORTS, DistConfig, NetworkConfig, _build
 from shaky.job.env import JobEnv
 from shaky.network.clock import PhaseTraffic

@@ -76,7 +76,7 @@ NOT_WRITTEN = "rank 0 ended before it wrote the run directory: there is nothing 
 NOT_TOLD = "no rank here learned the run's directory before it ended: there is nothing to resume"
 RUN_GOES_ON = "on udp the run goes on without them (none stopped with the run)"
 KEY_ENV = "SHAKY_KEY"
-"""The udp transport's key in the environment (``shaky.comm.dist.KEY_ENV``; not imported: that loads torch)."""
+"""The udp transport's key in the environment (``shaky.comm.udp.comm.KEY_ENV``; not imported: that loads torch)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

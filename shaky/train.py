@@ -27,7 +27,7 @@ from shaky.data import shard_summary
 from shaky.geometry import LinkSample
 from shaky.inject import FaultInjector, InterruptedRun
 from shaky.interrupt import SignalWatch, Stopped
-from shaky.membership import Members, owner_for
+from shaky.membership import Members, Scheduled
 from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule, Membership, Round
 from shaky.network.model import MaskLog, TraceNetwork
@@ -43,7 +43,13 @@ from shaky.strategies.state import map_rejoined, map_rows, map_synced, zip_rows
 from shaky.vectorized import FusedGradFn
 
 __all__ = ["CHECKPOINT_FILE", "SHARDS_FILE", "BatchSampler", "InterruptedRun", "can_fuse", "load_run_config",
-           "new_run_dir", "prepare", "read_metrics", "train", "train_step"]
+           "new_run_dir", "prepare", "read_metrics", "schedule_of", "train", "train_step"]
+
+
+def schedule_of(cfg: RunConfig) -> FailureSchedule:
+    """The run's failure schedule, which every :class:`~shaky.membership.Members` keeps (and with live membership
+    adds what the survivors agreed on to)."""
+    return FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps, sample_weights(cfg))
 
 
 def can_fuse(grad_fn: Callable[..., Any], strategy: Strategy[Any]) -> bool:
@@ -107,7 +113,7 @@ def _mark(marks: list[float] | None) -> None:
 
 def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool = False, writer: bool = True,
           label: str = "train", progress: bool = True, faults: FaultInjector | None = None,
-          welcome: dict[str, Any] | None = None) -> dict[str, Any]:
+          welcome: dict[str, Any] | None = None, members: Members | None = None) -> dict[str, Any]:
     """Runs (or resumes) training into ``run_dir`` and returns the summary.
 
     ``welcome``: this process was started again for a dead rank and taken back by the survivors
@@ -117,12 +123,14 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     :class:`shaky.interrupt.Stopped` is raised, and ``--resume`` continues as if nothing had happened.
     ``faults`` injects deterministic faults (``shaky.inject``): e.g. a ``stop`` at
     step s ends the run there without a final checkpoint, as a killed process would.
+    ``members``: who is in each step (``shaky.membership``; its schedule from :func:`schedule_of`); None: the
+    config's failure schedule.
     """
     cfg = setup.cfg
     comm = comm or SimComm(cfg.num_workers)
     sampler = BatchSampler(setup.shards, comm.rows.tolist(), cfg.worker_batch_sizes(), cfg.seed)
     batch_mask = sampler.mask.to(setup.device, setup.dtype)
-    members = owner_for(comm, FailureSchedule(cfg.failures, cfg.num_workers, cfg.steps, sample_weights(cfg)))
+    members = members or Scheduled(schedule_of(cfg))
     seen = observer(comm)
     clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms,
                   exchange_compute_ms=cfg.network.exchange_compute_ms, control_round_trips=seen.control_round_trips)
@@ -162,8 +170,9 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
     losses = _LossMeans(comm, signals)
     while counters.step < cfg.steps:
         step = counters.step
-        if faults is not None:  # before on_step: a rank that fails at step s never reports reaching it
+        if faults is not None:  # before the step's start: a rank that fails at step s never reports reaching it
             faults.check(step, rank)
+        masks.seen.on_step(step)
 
         def handover(joiners: tuple[int, ...]) -> dict[str, Any]:
             # The joiners take part in the next control round: nothing of the survivors' may ride in it.

@@ -45,7 +45,7 @@ def _config(case: str):
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    from shaky.comm.dist import DistComm  # noqa: PLC0415
+    from shaky.comm.gloo import DistComm  # noqa: PLC0415
     from shaky.train import prepare, train  # noqa: PLC0415
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS,

@@ -457,7 +457,7 @@ def test_bad_input_in_a_resumed_run_reaches_the_machines_without_its_directory(t
 def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """The rendezvous store takes writes from anyone: a resumed rank's config, taken there, is checked against rank
     0's own, sent over the process group, and every rank stops naming the rank and the setting that differs."""
-    from shaky.comm.dist import ForgedRecord
+    from shaky.membership.quorum import ForgedRecord
     from shaky.config import RunConfig, to_dict
     from shaky.job import checks
 
@@ -539,7 +539,7 @@ def test_a_rank_taken_back_checks_its_config_and_data_against_the_welcome() -> N
     """The record a process started again for a dead rank read came from the rendezvous store, which anyone can
     write; the survivors' welcome is sealed with the run's key and carries the run's config and data digests: a
     rank whose own differ from those leaves before its model is averaged (ForgedRecord)."""
-    from shaky.comm.dist import ForgedRecord
+    from shaky.membership.quorum import ForgedRecord
     from shaky.config import RunConfig, to_dict
     from shaky.job.checks import check_taken_back
     from shaky.setup import inputs_digest, prepare

@@ -323,16 +323,16 @@ def test_a_control_record_written_from_outside_the_run_stops_the_rank_and_is_nev
 
     import torch.distributed as dist  # noqa: PLC0415
 
-    from shaky.comm.dist import ForgedRecord, _Quorum  # noqa: PLC0415
+    from shaky.membership.quorum import ForgedRecord, Quorum  # noqa: PLC0415
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     attacker = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
     key, run = b"k" * 32, 7
 
-    def quorum(rank: int, prefix: str) -> _Quorum:
-        return _Quorum(lambda r: 0.0, rank, 2, prefix, 3.0, 10.0, ("127.0.0.1", server.port), key, run)
+    def quorum(rank: int, prefix: str) -> Quorum:
+        return Quorum(lambda r: 0.0, rank, 2, prefix, 3.0, 10.0, ("127.0.0.1", server.port), key, run)
 
-    def play(q: _Quorum, record: bytes) -> dict[int, bytes]:    # the next round, with every rank live
+    def play(q: Quorum, record: bytes) -> dict[int, bytes]:    # the next round, with every rank live
         return q.round(q.take_seq(), record, q.live, admit=False).records
 
     # The honest round: each rank gets the other's record.
@@ -378,10 +378,10 @@ def test_a_ranks_control_rounds_run_at_once_in_threads_and_each_agrees_on_its_ow
 
     import torch.distributed as dist  # noqa: PLC0415
 
-    from shaky.comm.dist import _Quorum  # noqa: PLC0415
+    from shaky.membership.quorum import Quorum  # noqa: PLC0415
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    zero, one = (_Quorum(lambda r: 0.0, rank, 2, "at-once", 3.0, 10.0, ("127.0.0.1", server.port), b"k" * 32, 7)
+    zero, one = (Quorum(lambda r: 0.0, rank, 2, "at-once", 3.0, 10.0, ("127.0.0.1", server.port), b"k" * 32, 7)
                  for rank in (0, 1))
     first, second = one.take_seq(), one.take_seq()
     got: dict[tuple[int, int], dict[int, bytes]] = {}
@@ -414,7 +414,7 @@ def test_the_store_sockets_get_a_minimum_retransmission_timeout_of_milliseconds_
 
     import torch.distributed as dist  # noqa: PLC0415
 
-    from shaky.comm.dist import _TCP_RTO_MIN_US, STORE_RTO_MIN_MS, shorten_store_retransmits  # noqa: PLC0415
+    from shaky.membership.quorum import _TCP_RTO_MIN_US, STORE_RTO_MIN_MS, shorten_store_retransmits  # noqa: PLC0415
 
     def rto_min_ms(sock: socket.socket) -> float:
         return sock.getsockopt(socket.IPPROTO_TCP, _TCP_RTO_MIN_US) / 1000
@@ -453,7 +453,7 @@ def _sockets_on(port: int) -> dict[tuple[int, int | None], float]:
     """Every TCP socket of this process to or from ``port``: (local port, remote port) -> TCP_RTO_MIN_US in ms."""
     import socket  # noqa: PLC0415
 
-    from shaky.comm.dist import _TCP_RTO_MIN_US, store_sockets  # noqa: PLC0415
+    from shaky.membership.quorum import _TCP_RTO_MIN_US, store_sockets  # noqa: PLC0415
 
     found = {}
     for sock in store_sockets(port):
@@ -475,12 +475,12 @@ def test_a_rank_paused_past_the_heartbeat_timeout_asks_whether_it_was_left_out_b
 
     import torch.distributed as dist  # noqa: PLC0415
 
-    from shaky.comm.dist import LeftBehind, _Quorum  # noqa: PLC0415
+    from shaky.membership.quorum import LeftBehind, Quorum  # noqa: PLC0415
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
-    def quorum(rank: int, prefix: str, paused: float) -> _Quorum:
-        return _Quorum(lambda r: 0.0, rank, 3, prefix, 0.5, 10.0, ("127.0.0.1", server.port), b"k" * 32, 7,
+    def quorum(rank: int, prefix: str, paused: float) -> Quorum:
+        return Quorum(lambda r: 0.0, rank, 3, prefix, 0.5, 10.0, ("127.0.0.1", server.port), b"k" * 32, 7,
                        paused_s=lambda reset=False: paused)
 
     for prefix, paused in (("paused", 10.0), ("awake", 0.0)):

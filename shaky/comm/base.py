@@ -84,6 +84,10 @@ class Observed(Protocol):
     on the udp transport with live membership (its masks' agreement), 0 without. The simulated clock counts
     them (``shaky.network.clock.control_round_seconds``)."""
 
+    def on_step(self, step: int) -> None:
+        """A step starts: the exchanges launched from now on are this step's."""
+        ...
+
     def take_observed(self) -> list[tuple[int, LinkSample]]:
         """The masks observed for the exchanges that completed since the last call, each with the step that
         launched it (a background exchange completes steps later)."""
@@ -100,6 +104,9 @@ class _Drawn:
     counted, no control round."""
 
     control_round_trips = 0
+
+    def on_step(self, step: int) -> None:
+        pass
 
     def take_observed(self) -> list[tuple[int, LinkSample]]:
         return []

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shaky.comm.dist import ForgedRecord, broadcast_object, gather_object
+from shaky.comm.gloo import broadcast_object, gather_object
+from shaky.membership.quorum import ForgedRecord
 from shaky.config import MACHINE_SETTINGS, first_difference, machine_settings, to_dict
 from shaky.errors import BadInput
 from shaky.inject import FaultInjector

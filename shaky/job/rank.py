@@ -24,20 +24,24 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shaky.comm.dist import (DistComm, ForgedRecord, JoinStore, LeftBehind, NotTakenBack, broadcast_object,
-                             udp_comm)
+from shaky.comm.gloo import DistComm, JoinStore, broadcast_object, rendezvous_store
 from shaky.comm.staged import StagedComm
+from shaky.comm.udp.comm import udp_comm
 from shaky.config import MACHINE_SETTINGS, first_difference, machine_settings, to_dict
 from shaky.errors import AloneBadInput, BadInput, Stop
 from shaky.job.checks import check_same_config, check_taken_back, claim_run_dir, faults, other_inputs
 from shaky.job.env import JobEnv
-from shaky.job.rendezvous import NoStore, RankTaken, init_group, job_keys, no_group, run_in_progress
+from shaky.job.rendezvous import (NoStore, RankTaken, init_group, job_keys, no_group, publish_run, run_in_progress,
+                                  say_ended)
 from shaky.job.stop import checkpoint_note, dist_command, launcher, stopping
 from shaky.launch import tell_launcher
+from shaky.membership import Agreed, Members, Scheduled
+from shaky.membership.heartbeat import Heartbeat
+from shaky.membership.quorum import ForgedRecord, LeftBehind, NotTakenBack
 from shaky.progress import say
 from shaky.rundir import read_machines
 from shaky.setup import inputs_digest, measured_compute_ms
-from shaky.train import train
+from shaky.train import schedule_of, train
 
 
 def joining(env: JobEnv, timeout_s: float) -> JoinStore | None:
@@ -76,26 +80,28 @@ def rejoin(env: JobEnv, setup: Any, joining: Any, *, quiet: bool) -> int:
     run_dir = Path(record["run_dir"])
     setup.compute_ms = float(record["compute_ms"])
     slots = setup.strategy.exchange.schedule.slots
+    heartbeat = Heartbeat(rank, joining.num_workers, joining.store)
     try:
-        comm = udp_comm(cfg.dist, heartbeat=True, lanes=slots + 1 if slots else 1,
+        comm = udp_comm(cfg.dist, heartbeat=heartbeat, lanes=slots + 1 if slots else 1,
                         latency_ms=setup.network.latency_ms.tolist(), joining=joining, key_text=env.key,
                         master_addr=env.route_to)
     except ValueError as exc:
         raise AloneBadInput(str(exc)) from None
+    agreement = comm.agreement
     tell_launcher(env.run_file, str(run_dir), "udp")
     try:
         if not quiet:
             say(f"shaky: rank {rank}: waiting to be taken back into the run in progress at {where} "
                 f"({run_dir})")
-        welcome = comm.await_welcome(cfg.dist_timeout_s, ended_key=job_keys(env).ended)
+        welcome = agreement.await_welcome(cfg.dist_timeout_s, ended_key=job_keys(env).ended)
         check_taken_back(cfg, setup, welcome.get("run", {}), rank)
         if not quiet:
             say(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}, "
-                f"{comm.join_wait_s:.2f} s after asking")
+                f"{agreement.join_wait_s:.2f} s after asking")
         comm = staged(comm, setup)
         with stopping(run_dir, dist_command(env), writer=False):
             train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
-                  faults=faults(env), welcome=welcome)
+                  faults=faults(env), welcome=welcome, members=Agreed(agreement, schedule_of(cfg)))
         comm.barrier()
     except (LeftBehind, ForgedRecord) as exc:
         say(f"shaky: error: {exc}")
@@ -106,9 +112,10 @@ def rejoin(env: JobEnv, setup: Any, joining: Any, *, quiet: bool) -> int:
         return 3
     except RuntimeError as exc:    # taken back, then the run's store went with its rank 0
         here = run_dir if record.get("host") == socket.gethostname() else None
-        return run_stopped(env, comm, cfg, exc, run_dir, str(run_dir), here)
+        return run_stopped(env, comm.rank, heartbeat, cfg, exc, run_dir, str(run_dir), here)
     finally:
         comm.close()
+        heartbeat.close()
     return 0
 
 
@@ -137,12 +144,18 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
         recorded = read_machines(run_dir).get(0) if resume and dist.get_rank() == 0 else None
         setup.machines = check_same_config(cfg, resumed=resume, inputs=inputs, recorded=recorded,
                                            restarts=env.max_restarts)
+        # The heartbeat tells a rank that died from one that hangs: on udp it beats in the quorum's store, whose
+        # rounds leave out a rank silent for dist.heartbeat_timeout_s (live membership); on gloo in the
+        # rendezvous store, where the survivors of a failure read it to name the rank that stopped.
+        heartbeat = Heartbeat(dist.get_rank(), dist.get_world_size(), rendezvous_store())
         if cfg.dist.transport == "udp":   # a lane for each exchange a delay keeps in flight, and the next one
             slots = setup.strategy.exchange.schedule.slots
-            comm = udp_comm(cfg.dist, heartbeat=True, lanes=slots + 1 if slots else 1,
+            comm = udp_comm(cfg.dist, heartbeat=heartbeat, lanes=slots + 1 if slots else 1,
                             latency_ms=setup.network.latency_ms.tolist(), key_text=env.key, master_addr=env.route_to)
+            members: Members = Agreed(comm.agreement, schedule_of(cfg))
         else:
-            comm = DistComm(heartbeat=True)
+            comm = DistComm()
+            members = Scheduled(schedule_of(cfg), heartbeat.start().mark)
         comm = staged(comm, setup)
     except ValueError as exc:    # udp: a key file, a port or the keys (on every rank alike)
         dist.destroy_process_group()
@@ -166,17 +179,18 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
     if writer:
         claim_run_dir(run_dir, resume=resume)
         # What a process started again for a dead rank needs (udp takes it back; gloo says it cannot).
-        comm.publish_run({"run_dir": resolved, "compute_ms": setup.compute_ms,
-                          "config": to_dict(cfg), "transport": cfg.dist.transport, "host": host,
-                          "inputs": inputs, "machines": {str(rank): machine["settings"]
-                                                         for rank, machine in setup.machines.items()}}, key=keys.run)
+        publish_run(comm.store, {"run_dir": resolved, "compute_ms": setup.compute_ms,
+                                 "config": to_dict(cfg), "transport": cfg.dist.transport, "host": host,
+                                 "inputs": inputs, "machines": {str(rank): machine["settings"]
+                                                                for rank, machine in setup.machines.items()}},
+                    key=keys.run)
     tell_launcher(env.run_file, resolved, cfg.dist.transport)   # every rank: a launcher without rank 0 learns it too
     try:
         with stopping(run_dir, dist_command(env), writer=writer):
             summary = train(setup, run_dir, comm=comm, resume=resume, writer=writer,
-                            label=cfg.strategy.name, progress=not quiet, faults=faults(env))
+                            label=cfg.strategy.name, progress=not quiet, faults=faults(env), members=members)
         if writer:
-            comm.end_run(key=keys.ended)
+            say_ended(comm.store, keys.ended)
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
         comm.barrier()
     except (LeftBehind, ForgedRecord) as exc:
@@ -187,9 +201,10 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
     except (RuntimeError, dist.DistBackendError) as exc:
         if writer:
             end_run(comm, keys.ended)
-        return run_stopped(env, comm, cfg, exc, run_dir, resolved, local)
+        return run_stopped(env, comm.rank, heartbeat, cfg, exc, run_dir, resolved, local)
     finally:
         comm.close()
+        heartbeat.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     if writer:
@@ -199,16 +214,17 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
     return 0
 
 
-def run_stopped(env: JobEnv, comm: Any, cfg: Any, exc: Exception, run_dir: Path, resolved: str,
-                local: Path | None) -> int:
+def run_stopped(env: JobEnv, rank: int, heartbeat: Heartbeat, cfg: Any, exc: Exception, run_dir: Path,
+                resolved: str, local: Path | None) -> int:
     """A collective or the store failed: the run stopped (a rank died on gloo, or rank 0). Says which rank, in one
-    line, and tells the launcher that this rank ended with the run (it is not one to take back alone: the
-    launcher starts the run again as a whole). Status 3."""
-    found = comm.diagnose_failure(cfg.dist_timeout_s)
+    line (the one whose ``heartbeat`` stopped, :meth:`Heartbeat.diagnose`), and tells the launcher that this rank
+    ended with the run (it is not one to take back alone: the launcher starts the run again as a whole).
+    Status 3."""
+    found = heartbeat.diagnose(cfg.dist_timeout_s)
     who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
            "rank 0, which hosts the run's store, is gone")
     tell_launcher(env.run_file, resolved, cfg.dist.transport, stopped=True)
-    say(f"shaky: error: {who} (rank {comm.rank} saw: {' '.join(str(exc).split())[:100]}); "
+    say(f"shaky: error: {who} (rank {rank} saw: {' '.join(str(exc).split())[:100]}); "
         f"last checkpoint: {checkpoint_note(run_dir, dist_command(env), local)}")
     return 3
 
@@ -218,6 +234,6 @@ def end_run(comm: Any, key: str) -> None:
     for the next attempt that reaches this one first does not take it for a run to join (``key``: the attempt's
     :attr:`~shaky.job.rendezvous.Keys.ended`)."""
     try:
-        comm.end_run(key=key)
+        say_ended(comm.store, key)
     except RuntimeError:     # the store no longer answers
         pass

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from shaky.comm.dist import JoinStore
+from shaky.comm.gloo import JoinStore
 from shaky.errors import Stop
 from shaky.job.env import JobEnv
 from shaky.launch import EXIT_BAD_INPUT
@@ -28,7 +28,7 @@ class Keys(NamedTuple):
     ``shaky launch`` starts a new store with every rank 0)."""
 
     run: str
-    """The run record (:meth:`DistComm.publish_run`): its presence means a run is in progress."""
+    """The run record (:func:`publish_run`): its presence means a run is in progress."""
     ended: str
     """Set when the run has finished, or stopped for a failure."""
     claim_prefix: str
@@ -50,6 +50,18 @@ def keys(attempt: str) -> Keys:
 def job_keys(env: JobEnv) -> Keys:
     """This process's attempt's keys."""
     return keys(env.restart_count)
+
+
+def publish_run(store: Any, record: dict[str, Any], *, key: str) -> None:
+    """Rank 0: what a process started again for a dead rank needs to know of the run (its directory, its config,
+    the measured compute time), at ``key`` (:attr:`Keys.run`) in the rendezvous store (:func:`run_in_progress`)."""
+    store.set(key, json.dumps(record))
+
+
+def say_ended(store: Any, key: str) -> None:
+    """Rank 0, the run finished or stopped: a process still waiting to be taken back learns that it will not be
+    (``key``: :attr:`Keys.ended`)."""
+    store.set(key, "1")
 
 
 def init_group(env: JobEnv, timeout_s: float) -> None:

@@ -11,6 +11,6 @@ block, who comes back, the averaging weights) and the ranks taken back at the st
   step's start. The changes go into the same failure schedule, so the simulator replays the run.
 """
 
-from shaky.membership.owner import Agreed, Agreement, Members, Scheduled, Turn, owner_for
+from shaky.membership.owner import Agreed, Agreement, Members, Scheduled, Turn
 
-__all__ = ["Agreed", "Agreement", "Members", "Scheduled", "Turn", "owner_for"]
+__all__ = ["Agreed", "Agreement", "Members", "Scheduled", "Turn"]

@@ -1,9 +1,10 @@
 """The membership owners: the loop asks one of them once a step (:meth:`Members.step`) and gets a :class:`Turn`.
 
 An owner never moves data: the comm does (``shaky.comm``). The udp transport's survivors agree on changes in
-the control rounds its exchanges make (``shaky.comm.dist``'s quorum); :class:`Agreed` takes what they agreed on
-through the :class:`Agreement` that comm hands out, and writes it into the failure schedule, which is what the
-strategies, the checkpoint and the simulator's replay read.
+the control rounds its exchanges make (``shaky.comm.udp.control.QuorumControl``, over
+:class:`shaky.membership.quorum.Quorum`); :class:`Agreed` takes what they agreed on through that
+:class:`Agreement`, and writes it into the failure schedule, which is what the strategies, the checkpoint and the
+simulator's replay read. Whoever starts the rank (``shaky.job.rank``) builds its owner.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Members(Protocol):
 class Scheduled:
     """The failure schedule is the membership (the simulator; gloo, where a dead rank stops every rank; udp
     without live membership). ``progress(step)``, if given, marks this rank's progress where the survivors of a
-    failure read it (``DistComm.on_step``: the failure report names the rank that stopped, and its step)."""
+    failure read it (``Heartbeat.mark``: the failure report names the rank that stopped, and its step)."""
 
     def __init__(self, schedule: FailureSchedule, progress: Callable[[int], None] | None = None) -> None:
         self.schedule = schedule
@@ -93,13 +94,3 @@ class Agreed:
         for at, live in agreement.take_membership():  # a dead rank left out, or ranks taken back
             self.schedule.observe(at, live)
         return Turn(self.schedule.membership(step), joiners)
-
-
-def owner_for(comm: object, schedule: FailureSchedule) -> Members:
-    """The owner of ``comm``'s membership: :class:`Agreed` where the comm's survivors agree on it (its
-    ``agreement``, not None), else :class:`Scheduled` (marking progress through the comm's ``on_step`` where it
-    has one)."""
-    agreement = getattr(comm, "agreement", None)
-    if agreement is not None:
-        return Agreed(agreement, schedule)
-    return Scheduled(schedule, getattr(comm, "on_step", None))
