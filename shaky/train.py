@@ -117,7 +117,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     """Runs (or resumes) training into ``run_dir`` and returns the summary.
 
     ``welcome``: this process was started again for a dead rank and taken back by the survivors
-    (``UdpDistComm.await_welcome``): it goes on from their state at the step they took it back.
+    (``QuorumControl.await_welcome``): it goes on from their state at the step they took it back.
 
     SIGINT and SIGTERM (in the main thread) stop the run after the step in progress, with a checkpoint:
     :class:`shaky.interrupt.Stopped` is raised, and ``--resume`` continues as if nothing had happened.
@@ -165,7 +165,7 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
           clock: Clock, masks: _Masks, params: torch.Tensor, state: Any, counters: Counters, metrics: _Metrics,
           bar: Progress, faults: FaultInjector | None, signals: SignalWatch) -> tuple[torch.Tensor, Any]:
     """The steps from ``counters.step`` to the end (or to a stop on a signal, which raises Stopped)."""
-    cfg, strategy, rank, rows = setup.cfg, setup.strategy, getattr(comm, "rank", 0), comm.rows.tolist()
+    cfg, strategy, rank = setup.cfg, setup.strategy, getattr(comm, "rank", 0)
     x_train, y_train = setup.data.x_train, setup.data.y_train
     losses = _LossMeans(comm, signals)
     while counters.step < cfg.steps:

@@ -40,7 +40,7 @@ def via_rps(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, seg: int, wei
     out, start = torch.empty_like(x), 0
     for j, n in enumerate(block_sizes(d, w)):
         s, cols = servers[j], slice(start, start + n)
-        share = rps.shares(up[:, s:s + 1], weights, x.dtype)                  # [1, senders, S]
+        share = rps.shares(up[:, s:s + 1], weights, x.dtype)                  # [1, S, senders]
         avg = rps.server_average(share, x[None, :, cols], seg)               # [1, n]
         rps.keep_own_where_lost(avg, x[:, None, cols], ~down[s, :, None, :], seg, out=out[:, None, cols])
         start += n
@@ -83,9 +83,9 @@ def test_the_compiled_shares_and_copies_are_the_rule_s_bits(dtype: torch.dtype) 
         up = torch.rand(w, w, generator=gen) > 0.4
         up[torch.arange(w), torch.arange(w)] = True
         down = torch.rand(w, w, generator=gen) > 0.4
-        share = x.new_empty(w, w, 1)
+        share = x.new_empty(w, 1, w)
         lib.shaky_block_shares(up.data_ptr(), w, share.data_ptr(), x.element_size())
-        assert torch.equal(share, rps.shares(up[..., None], None, dtype))
+        assert torch.equal(share, rps.shares(up, None, dtype))
         # every block's average, then the copies: C's per row and block, rps's per element
         sizes = block_sizes(d, w)
         avg = torch.cat([rps.server_average(share[j:j + 1], x[None, :, sum(sizes[:j]):sum(sizes[:j + 1])])[0]

@@ -89,17 +89,11 @@ class DistComm:
     :mod:`shaky.membership`'s (the failure schedule; a :class:`~shaky.membership.heartbeat.Heartbeat` names a rank
     that stopped)."""
 
-    def __init__(self, *, joining: JoinStore | None = None) -> None:
-        """``joining``: this process was started again for a dead rank of a run in progress (``shaky.job``):
-        it has no process group, only the rendezvous store (a udp run takes it back,
-        :class:`shaky.comm.udp.comm.UdpDistComm`)."""
-        if joining is not None:
-            self.rank, self.num_workers, self.store = joining.rank, joining.num_workers, joining.store
-        elif not dist.is_initialized():
+    def __init__(self) -> None:
+        if not dist.is_initialized():
             raise RuntimeError("DistComm needs torch.distributed to be initialised (start with torchrun)")
-        else:
-            self.rank, self.num_workers = dist.get_rank(), dist.get_world_size()
-            self.store = rendezvous_store()
+        self.rank, self.num_workers = dist.get_rank(), dist.get_world_size()
+        self.store = rendezvous_store()
         """The rendezvous store (heartbeats, the run record for a process started again, the udp addresses)."""
         self.rows = torch.tensor([self.rank])
         self._buffers: dict[str, torch.Tensor] = {}
@@ -206,7 +200,7 @@ class DistComm:
         received = self._buffer(staging, w * mine, row)
         dist.all_to_all_single(received, row.contiguous(), output_split_sizes=[mine] * w,
                                input_split_sizes=per_rank, group=group)
-        share = rps.shares(up[:, me:me + 1, None], weights, x.dtype)   # [1, senders, 1]: each arrival's weight
+        share = rps.shares(up[:, me:me + 1], weights, x.dtype)   # [1, 1, senders]: each arrival's weight
 
         # Phase 2: I send my average to every rank and get every server's back, in ``order`` layout: the
         # average is computed straight into my piece of the result and sent from there, and every server's

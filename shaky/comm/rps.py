@@ -29,13 +29,15 @@ def shares(up: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtype) -
     """Each arrival's weight in its server's average: ``w_i a_i / sum_i w_i a_i``.
 
     ``up``: bool [senders, servers] (or [senders, servers, S] per segment), what arrived at each server;
-    ``weights``: [senders] or None (equal). Returns [servers, senders] (or [servers, senders, S]) in ``dtype``,
-    contiguous: a server's row of weights is what multiplies its received blocks (:func:`server_average`).
+    ``weights``: [senders] or None (equal). Returns [servers, S, senders] in ``dtype`` (S = 1 for [senders,
+    servers]), contiguous: a server's row of weights is what multiplies its received blocks
+    (:func:`server_average`).
     """
     arrived = up.to(dtype)
     if weights is not None:
         arrived = arrived * weights.to(dtype).reshape(-1, *([1] * (up.dim() - 1)))
-    return (arrived / arrived.sum(0)).transpose(0, 1).contiguous()
+    share = arrived / arrived.sum(0)
+    return share.T.unsqueeze(1).contiguous() if up.dim() == 2 else share.permute(1, 2, 0).contiguous()
 
 
 def _pieces(n: int, seg: int) -> list[tuple[int, int, int]]:
@@ -51,7 +53,7 @@ def server_average(share: torch.Tensor, blocks: torch.Tensor, seg: int = 0, *,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Phase 1: each served block's average over the senders whose segments arrived.
 
-    ``share``: [B, senders, S], :func:`shares` of the B blocks (S = 1 without segments); ``blocks``: [B, senders,
+    ``share``: [B, S, senders], :func:`shares` of the B blocks (S = 1 without segments); ``blocks``: [B, senders,
     n], every sender's values of each block (a view of any strides; a segment that did not arrive must hold
     finite values, 0 as a rule: it is multiplied by 0); ``seg``: values per segment (0: none).
     Returns [B, n] (written into ``out`` where given). A block's segments that arrived from the same senders
@@ -59,16 +61,19 @@ def server_average(share: torch.Tensor, blocks: torch.Tensor, seg: int = 0, *,
     set over its own segments.
     """
     b, w, n = blocks.shape
+    # (a fresh bmm, then copied: bmm's out= at an offset summed 1 ulp apart here and there)
+    if seg <= 0 or n <= seg:     # one segment a block: one batched product (the simulator's every step)
+        whole = torch.bmm(share if share.shape[1] == 1 else share[:, :1], blocks).view(b, n)
+        return whole if out is None else out.copy_(whole)
     avg = blocks.new_empty(b, n) if out is None else out
     for k0, count, length in _pieces(n, seg):
         start = k0 * seg
         stop = start + count * length
-        part = share[:, :, k0:k0 + count]                                            # [B, senders, segs]
-        # (a fresh bmm, then copied: bmm's out= at an offset summed 1 ulp apart here and there)
+        part = share[:, k0:k0 + count]                                               # [B, segs, senders]
         if count == 1:
-            avg[:, start:stop] = torch.bmm(part.transpose(1, 2), blocks[:, :, start:stop]).view(b, stop - start)
+            avg[:, start:stop] = torch.bmm(part, blocks[:, :, start:stop]).view(b, stop - start)
             continue
-        patterns, which = torch.unique(part.permute(2, 0, 1).reshape(count, b * w), dim=0, return_inverse=True)
+        patterns, which = torch.unique(part.transpose(0, 1).reshape(count, b * w), dim=0, return_inverse=True)
         common = int(torch.bincount(which).argmax())
         dst = avg[:, start:stop].unflatten(1, (count, length))                       # [B, segs, len]
         dst.copy_(torch.bmm(patterns[common].view(b, 1, w), blocks[:, :, start:stop]).view(b, count, length))
@@ -89,6 +94,13 @@ def keep_own_where_lost(avg: torch.Tensor | None, own: torch.Tensor, lost: torch
     ``lost``: bool [w, B, S] (S = 1 without segments), the average of that segment did not come back; ``out``:
     [w, B, n], which may be ``own`` itself (each element is read before it is written). Copies only.
     """
+    if seg <= 0 or own.shape[2] <= seg:     # one segment a block
+        if avg is not None:
+            return torch.where(lost[:, :, :1], own, avg[None], out=out)
+        if bool(lost.any()):
+            where = lost[:, :, 0].nonzero(as_tuple=True)
+            out[where] = own[where]
+        return out
     for k0, count, length in _pieces(own.shape[2], seg):
         start = k0 * seg
         stop = start + count * length

@@ -80,10 +80,10 @@ class SimComm:
                     and up.dtype == down.dtype == torch.bool)
         if compiled and weights is None and x.dtype in (torch.float32, torch.float64):
             # rps.shares in C where the install built it: counts and divisions, so torch's bits
-            share, up_bytes = x.new_empty(w, w, 1), up.contiguous()   # (kept alive through the call)
+            share, up_bytes = x.new_empty(w, 1, w), up.contiguous()   # (kept alive through the call)
             lib.shaky_block_shares(up_bytes.data_ptr(), w, share.data_ptr(), x.element_size())
         else:
-            share = rps.shares(up if segment_bytes else up[..., None], weights, x.dtype)  # [servers, senders, S]
+            share = rps.shares(up, weights, x.dtype)               # [servers, S, senders]
         groups = block_groups(dim, w)
         # Every server's average of its block, side by side in one row (read before anything is written: ``out``
         # may be ``x``) ...

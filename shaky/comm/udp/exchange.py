@@ -1022,7 +1022,7 @@ class _Round:
             torch.from_numpy(vals).view(self.W, nseg, self.seg)[torch.from_numpy(lost)] = 0
         values = torch.from_numpy(vals[:, :n])
         weights = None if self.weights is None else torch.from_numpy(self.weights)
-        share = rps.shares(torch.from_numpy(up[:, None, :nseg]), weights, values.dtype)   # [1, W, nseg]
+        share = rps.shares(torch.from_numpy(up[:, None, :nseg]), weights, values.dtype)   # [1, nseg, W]
         rps.server_average(share, values[None], self.seg, out=torch.from_numpy(out)[None])
 
     def keep_own_where_lost(self, down: np.ndarray) -> None:
