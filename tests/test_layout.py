@@ -197,3 +197,61 @@ def test_network_does_not_import_comm() -> None:
            if m.split(".")[:2] == ["shaky", "network"]
            for t, line in sorted(edges.items()) if t.split(".")[:2] == ["shaky", "comm"]]
     assert not bad, "shaky.network must not import shaky.comm:\n" + "\n".join(bad)
+
+
+def _members(cls: ast.ClassDef) -> list[str]:
+    """A Protocol class's members: its annotated attributes and its methods."""
+    names = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    return names + [n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_the_comm_protocol_is_data_only() -> None:
+    """What a strategy moves between workers, and nothing about membership, progress or observed losses (those
+    are shaky.membership's and comm.base.Observed's): at most 8 members."""
+    tree = ast.parse((PACKAGE / "comm" / "base.py").read_text())
+    comm = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Comm")
+    members = _members(comm)
+    assert len(members) <= 8, f"the Comm protocol has {len(members)} members: {members}"
+    assert not {"on_step", "take_membership", "take_admitted", "welcome", "take_observed"} & set(members), members
+
+
+def test_nothing_below_the_job_reads_the_environment() -> None:
+    """The process environment is read once, by the command line (shaky.job.env.JobEnv), and passed down: nothing
+    under comm/ or membership/ reads os.environ or os.getenv."""
+    found = []
+    for folder in ("comm", "membership"):
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb") and \
+                        isinstance(node.value, ast.Name) and node.value.id == "os":
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not found, "reads the process environment: " + ", ".join(found)
+
+
+def test_the_command_line_parses_and_dispatches() -> None:
+    """cli.py stays small and imports nothing of comm's internals: a rank's life is shaky.job's."""
+    text = (PACKAGE / "cli.py").read_text()
+    assert len(text.splitlines()) < 600, f"cli.py has {len(text.splitlines())} lines"
+    graph = import_graph()
+    assert not [t for t in graph["shaky.cli"] if t.startswith("shaky.comm")], graph["shaky.cli"]
+
+
+def test_no_comm_chooses_its_control_plane() -> None:
+    """The udp comm is given its control plane (comm.udp.control): no comm asks which one it has (the branches
+    ``self._quorum is None`` chose between two control planes in 15 places)."""
+    found = []
+    for path in sorted((PACKAGE / "comm").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                sides = [node.left, *node.comparators]
+                names = {s.attr for s in sides if isinstance(s, ast.Attribute)}
+                if names & {"_quorum", "quorum", "control", "_control", "agreement"}:
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not found, "a comm chooses between control planes at " + ", ".join(found)
+
+
+def test_every_backend_averages_by_the_one_rule() -> None:
+    """RPS's rule is written once (comm/rps.py): the simulator, gloo and udp all call it."""
+    graph = import_graph()
+    for backend in ("shaky.comm.sim", "shaky.comm.gloo", "shaky.comm.udp.exchange"):
+        assert "shaky.comm.rps" in graph[backend], f"{backend} does not use shaky.comm.rps"
