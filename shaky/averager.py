@@ -44,15 +44,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 
+from shaky.comm.base import DRAWN, observer
 from shaky.comm.gloo import DistComm
-from shaky.comm.udp.comm import UdpDistComm, udp_comm
+from shaky.comm.udp.comm import udp_comm
 from shaky.config import UDP_PORTS, DistConfig, NetworkConfig, _build
 from shaky.job.env import JobEnv
 from shaky.network.clock import PhaseTraffic
 from shaky.network.faults import Membership, Round
 from shaky.network.model import NetworkModel
 from shaky.schedule import Schedule
-from shaky.strategies.exchange import StepStats, block_exchange_traffic, lossy_block_average
+from shaky.geometry import LinkSample, segment_counts, segment_length
+from shaky.strategies.exchange import StepStats, lossy_block_average, observed
 from shaky.strategies.optim import OuterSGD, OuterState
 
 _STATE_VERSION = 1
@@ -117,6 +119,18 @@ def _groups(params: list[torch.Tensor], buffers: list[torch.Tensor]) -> list[_Gr
         for t in tensors:
             keyed.setdefault((t.dtype, t.device), ([], []))[kind].append(t)
     return [_Group(tuple(p), tuple(b)) for p, b in keyed.values()]
+
+
+def _in_layout(links: LinkSample, v: torch.Tensor, segment_bytes: int) -> LinkSample:
+    """``links`` as masks of ``v``'s segments of ``segment_bytes`` (every one delivered: a transport cut in
+    segments observes its own losses, and the drawn masks are not used); ``links`` itself where the unit of loss
+    is a block."""
+    if not segment_bytes:
+        return links
+    w = links.up.shape[0]
+    segments = max(1, *segment_counts(v.shape[1], w, segment_length(segment_bytes, v.element_size())))
+    every = torch.ones(w, w, segments, dtype=torch.bool)
+    return LinkSample(links.round, every, every.clone(), segment_bytes)
 
 
 def _merge_stats(stats: list[StepStats]) -> StepStats:
@@ -296,19 +310,18 @@ class ModelAverager:
                 self.outer_state = _outer_init(self.outer, groups, averaged)
         else:
             rnd = Round(self._rounds_before(step), self.network.sample(self._rounds_before(step)), self.members)
+            seen_by = observer(self.comm)
             averaged, stats = [], []
             for v in vecs:  # every group in the same round, with the same masks (udp: what each one's got)
-                if isinstance(self.comm, UdpDistComm):
-                    avg = self.comm.block_average(v, rnd.links.up, rnd.links.down,
-                                                  segment_bytes=self.comm.segment_bytes)
-                    (_, seen), = self.comm.take_observed()
-                    st = StepStats(block_exchange_traffic(v, self.comm.num_workers, seen,
-                                                          self.members, reliable=False))
-                else:
-                    avg, _, st = self.exchange(v, self.comm, rnd, ())
+                # ``shaky train``'s exchange stage; on a transport that observes its losses (udp) the masks are in
+                # its segments' layout and the traffic is counted again with what arrived, as the training loop does
+                links = _in_layout(rnd.links, v, getattr(self.comm, "segment_bytes", 0))
+                avg, _, st = self.exchange(v, self.comm, Round(rnd.step, links, rnd.members), ())
+                for _, seen in seen_by.take_observed():
+                    st = observed(st, links, seen)
                 averaged.append(avg)
                 stats.append(st)
-            if isinstance(self.comm, UdpDistComm):   # each group was an exchange of its own datagrams
+            if seen_by is not DRAWN:   # udp: each group was an exchange of its own datagrams
                 for st in stats:
                     self._count(st)
             elif stats:
