@@ -238,6 +238,7 @@ def cmd_train(args: argparse.Namespace, env: JobEnv) -> int:
     # process_settings).
     from shaky.job import checks, rank  # noqa: PLC0415
     from shaky.job.stop import stopping  # noqa: PLC0415
+    from shaky.rundir import BadCheckpoint  # noqa: PLC0415
     from shaky.train import prepare, train  # noqa: PLC0415
 
     try:
@@ -260,8 +261,11 @@ def cmd_train(args: argparse.Namespace, env: JobEnv) -> int:
     checks.claim_run_dir(run_dir, resume=bool(args.resume))
     setup.machines = {0: checks.read_here(setup, run_dir, resume=bool(args.resume))}
     with stopping(run_dir, "shaky train"):
-        summary = train(setup, run_dir, resume=bool(args.resume), label=cfg.strategy.name,
-                        progress=not args.quiet, faults=checks.faults(env))
+        try:
+            summary = train(setup, run_dir, resume=bool(args.resume), label=cfg.strategy.name,
+                            progress=not args.quiet, faults=checks.faults(env))
+        except BadCheckpoint as exc:     # found before the run changed anything
+            raise BadInput(str(exc)) from None
     if not args.quiet:
         print(json.dumps(summary, indent=2))
     print(f"run directory: {run_dir}")

@@ -322,6 +322,9 @@ class NetworkConfig:
 
 DIST_TIMEOUT_S = 60.0
 """dist_timeout_s's default: how long a collective (and joining the process group) waits before it fails."""
+MAX_DIST_TIMEOUT_S = 7 * 24 * 3600.0
+"""dist_timeout_s's largest value, a week: every rank turns it into a timedelta and a store's milliseconds, which
+overflow far above it (1e308 raised OverflowError in one rank while the others waited)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -438,7 +441,7 @@ class RunConfig:
     backend: str = "sim"
     """sim: all workers in this process; dist: one worker per process, started by torchrun (gloo)."""
     dist_timeout_s: float = DIST_TIMEOUT_S
-    """dist backend: a collective that waits longer than this fails (a dead or hung rank)."""
+    """dist backend: a collective that waits longer than this fails (a dead or hung rank); at most a week."""
     dtype: str = "float32"
     """Parameter precision: float32 or float64."""
     device: str = "cpu"
@@ -464,7 +467,7 @@ class RunConfig:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _check_choice("backend", self.backend, BACKENDS)
         self._check_transport()
-        _check_range("dist_timeout_s", self.dist_timeout_s, 0.0, math.inf, lo_open=True, hi_open=True)
+        _check_range("dist_timeout_s", self.dist_timeout_s, 0.0, MAX_DIST_TIMEOUT_S, lo_open=True)
         if self.batch_sizes and len(self.batch_sizes) != self.num_workers:
             raise ValueError(f"batch_sizes has {len(self.batch_sizes)} entries but num_workers is {self.num_workers}")
         if any(b < 1 for b in self.batch_sizes):

@@ -61,6 +61,11 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "w") -> N
         raise
 
 
+class BadCheckpoint(ValueError):
+    """A checkpoint that is whole (its checksum holds) but cannot be this run's: found before anything of the
+    run is changed, and said in one line (status 2)."""
+
+
 class WriteError(OSError):
     """A file of a run could not be written (no space left, read-only, no permission): one line naming it."""
 
@@ -73,7 +78,8 @@ class WriteError(OSError):
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    atomic_write(path, lambda f: f.write(json.dumps(data, indent=2) + "\n"))
+    """``data`` as strict JSON (:func:`finite`), written whole or not at all."""
+    atomic_write(path, lambda f: f.write(json.dumps(finite(data), indent=2, allow_nan=False) + "\n"))
 
 
 def new_run_dir(base: str | Path) -> Path:
@@ -214,6 +220,10 @@ def _check_metrics(run_dir: Path, cfg: RunConfig, ckpt: dict[str, Any]) -> None:
         step = int(ckpt["counters"]["step"])
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"resume: {run_dir / CHECKPOINT_FILE}: not a shaky checkpoint (no step)") from None
+    # Before anything is sized by it: a step past the run's end would have the resume draw that many rounds.
+    if not 0 <= step <= cfg.steps:
+        raise ValueError(f"resume: {run_dir / CHECKPOINT_FILE}: its counters say step {step}, outside the run's "
+                         f"0..{cfg.steps} (steps in {CONFIG_FILE}); the file was not written by this run")
     rows = read_metrics(run_dir, trim_torn=True)
     have = {r["step"] for r in rows if isinstance(r["step"], int) and r["step"] <= step}
     want = {0, *range(cfg.eval_every, step + 1, cfg.eval_every)} | ({step} if step == cfg.steps else set())
@@ -227,12 +237,30 @@ def _check_metrics(run_dir: Path, cfg: RunConfig, ckpt: dict[str, Any]) -> None:
 # Metrics
 
 
+def finite(value: Any) -> Any:
+    """``value`` as strict JSON holds it: a float that is not finite (a diverged loss, the time of a step over a
+    link of no bandwidth) is None, in lists and tables too. JSON has no NaN or infinity, and tools (jq, a
+    browser's JSON.parse) reject the tokens Python's json writes for them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def _metrics_line(row: dict[str, Any]) -> str:
+    return json.dumps(finite(row), allow_nan=False) + "\n"
+
+
 def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
-    """Appends one line; a line cut short (no space left, a kill) is trimmed when the run resumes."""
+    """Appends one line (strict JSON: :func:`finite`); a line cut short (no space left, a kill) is trimmed when
+    the run resumes."""
     path = run_dir / METRICS_FILE
     try:
         with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(_metrics_line(row))
     except OSError as exc:
         raise WriteError(path, exc) from None
 
@@ -269,7 +297,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     does not repeat them."""
     present = (run_dir / METRICS_FILE).exists()
     rows = [r for r in read_metrics(run_dir, trim_torn=True) if r["step"] <= step] if present else []
-    atomic_write(run_dir / METRICS_FILE, lambda f: f.writelines(json.dumps(r) + "\n" for r in rows))
+    atomic_write(run_dir / METRICS_FILE, lambda f: f.writelines(_metrics_line(r) for r in rows))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -295,7 +323,7 @@ class Counters:
     sim_wait_s: float = 0.0
     """The simulated clock's seconds of waiting for exchanges (the same quantity, predicted)."""
     transport: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """What a real lossy transport counted up to the checkpoint (``Comm.transport_stats``; empty on gloo and
+    """What a real lossy transport counted up to the checkpoint (``Observed.transport_stats``; empty on gloo and
     the simulator)."""
 
 
@@ -490,8 +518,6 @@ class Summary:
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values; a number that is not finite (a diverged run's loss) becomes None, since
         JSON has no NaN or infinity (``diverged`` and ``error`` say why)."""
-        def finite(v: Any) -> Any:
-            return None if isinstance(v, float) and not math.isfinite(v) else v
         return {f.name: finite(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def write(self, run_dir: Path) -> None:

@@ -32,9 +32,9 @@ from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule, Membership, Round
 from shaky.network.model import MaskLog, TraceNetwork
 from shaky.progress import Progress
-from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, append_metrics, create, load_checkpoint,
-                          load_run_config, load_trace, new_run_dir, read_metrics, record_start, save_checkpoint,
-                          save_trace, truncate_metrics)
+from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, BadCheckpoint, Counters, Summary, append_metrics, create,
+                          load_checkpoint, load_run_config, load_trace, new_run_dir, read_metrics, record_start,
+                          save_checkpoint, save_trace, truncate_metrics)
 from shaky.sampler import BatchSampler
 from shaky.setup import Setup, evaluate, inputs_digest, prepare, start_gradient_diversity
 from shaky.strategies import AverageModels, Strategy, sample_weights
@@ -354,6 +354,11 @@ def _resume_point(setup: Setup, run_dir: Path) -> dict[str, Any] | None:
         return None
     ckpt = load_checkpoint(run_dir)
     counters = Counters(**ckpt["counters"])
+    params, want = ckpt["params"], (setup.cfg.num_workers, setup.flat.flatten(setup.model).numel())
+    if not isinstance(params, torch.Tensor) or tuple(params.shape) != want or params.dtype != setup.dtype:
+        got = f"{list(params.shape)} {params.dtype}" if isinstance(params, torch.Tensor) else type(params).__name__
+        raise BadCheckpoint(f"resume: {run_dir / CHECKPOINT_FILE} holds parameters {got}, but this run's model has "
+                         f"{list(want)} {setup.dtype} (the file was not written by this run); nothing was resumed")
     log = MaskLog(setup.cfg.num_workers, counters.step)
     recorded = _recorded_masks(setup, run_dir, counters.step) if _observes_losses(setup.cfg) else setup.network
     for r in range(counters.step):

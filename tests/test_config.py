@@ -424,3 +424,12 @@ def test_sections_check_on_direct_construction() -> None:
         NetworkConfig(drop_rate=((0.0, 0.0), (1.0, 0.0)))
     with pytest.raises(ValueError, match=r"^num_workers must be >= 1, got 0$"):
         RunConfig(num_workers=0)
+
+
+@pytest.mark.parametrize("value", [1e308, 7 * 24 * 3600.0 + 1, float("inf"), 0.0])
+def test_dist_timeout_s_is_bounded(value: float) -> None:
+    """Every rank turns dist_timeout_s into a timedelta and a store's milliseconds: 1e308 raised OverflowError in
+    one rank while the others waited. A value past a week is refused where the config is read, on every rank."""
+    with pytest.raises(ValueError, match=r"^dist_timeout_s must be in \(0, 604800\], got "):
+        config_from_dict({"dist_timeout_s": value})
+    assert config_from_dict({"dist_timeout_s": 7 * 24 * 3600.0}).dist_timeout_s == 604800.0

@@ -74,6 +74,45 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(damage: str, expected: str,
     assert _snapshot(run_dir) == before  # nothing overwritten
 
 
+def _rewrite_checkpoint(path: Path, edit) -> None:
+    """The checkpoint with ``edit`` applied to its contents, and a checksum that holds (as if another run or
+    another program had written it)."""
+    from shaky.rundir import save_checkpoint  # noqa: PLC0415
+
+    blob = load_checkpoint(path.parent)
+    edit(blob)
+    save_checkpoint(path.parent, blob)
+
+
+@pytest.mark.parametrize("edit,expected", [
+    ("step", "its counters say step 1000000000000, outside the run's 0..40"),
+    ("negative", "its counters say step -1, outside the run's 0..40"),
+    ("shape", "holds parameters [4, 7] torch.float32, but this run's model has [4, "),
+    ("dtype", "torch.float64, but this run's model has"),
+])
+def test_a_checkpoint_that_is_not_this_run_s_is_refused_in_one_line(edit: str, expected: str, finished: Path,
+                                                                    tmp_path: Path, capsys) -> None:
+    """Its checksum holds, but its counters or parameters cannot be this run's: one line, status 2, nothing
+    changed, and nothing sized by the numbers in it (step 10**12 made a resume allocate until it was killed)."""
+    run_dir = _copy(finished, tmp_path / "run")
+    path = run_dir / CHECKPOINT_FILE
+
+    def change(blob: dict) -> None:
+        if edit in ("step", "negative"):
+            blob["counters"]["step"] = 10**12 if edit == "step" else -1
+        elif edit == "shape":
+            blob["params"] = torch.zeros(4, 7)
+        else:
+            blob["params"] = blob["params"].double()
+    _rewrite_checkpoint(path, change)
+    before = _snapshot(run_dir)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and expected in lines[0] and str(path) in lines[0], lines
+    assert _snapshot(run_dir) == before
+
+
 @pytest.mark.parametrize("key,value", [("num_workers", "8"), ("lr", "0.2")])
 def test_resume_refuses_an_edited_config(key: str, value: str, finished: Path, tmp_path: Path, capsys) -> None:
     run_dir = _copy(finished, tmp_path / "run")
@@ -175,3 +214,31 @@ def test_two_sweeps_cannot_share_a_directory(tmp_path: Path) -> None:
         if run.is_dir():
             assert [r["step"] for r in read_metrics(run)] == [0, 100, 200, 300, 400], run
     assert json.loads((out / "tiny" / "seed=0" / "summary.json").read_text())["steps"] == 400
+
+
+def _strict(text: str) -> object:
+    """``text`` parsed as strict JSON: NaN, Infinity and -Infinity are not JSON (jq rejects them)."""
+    def refuse(token: str) -> None:
+        raise ValueError(f"not JSON: {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_metrics_and_summaries_are_strict_json(tmp_path: Path) -> None:
+    """A number that is not finite (a diverged loss; a step's seconds over a link of no bandwidth) is written as
+    null, in lists and tables too; the row in memory keeps it (the loop's divergence check reads it there)."""
+    from shaky.rundir import METRICS_FILE, append_metrics, read_metrics, truncate_metrics, write_json  # noqa: PLC0415
+
+    row = {"step": 1, "test_loss": float("nan"), "sim_time_s": float("inf"),
+           "worker_test_accuracy": [0.5, -float("inf")], "udp": {"grace_wait_s": float("nan"), "sent": 3}}
+    append_metrics(tmp_path, row)
+    append_metrics(tmp_path, {**row, "step": 2})
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    assert [_strict(line) for line in lines][0] == {"step": 1, "test_loss": None, "sim_time_s": None,
+                                                    "worker_test_accuracy": [0.5, None],
+                                                    "udp": {"grace_wait_s": None, "sent": 3}}
+    assert row["test_loss"] != row["test_loss"]       # still NaN in memory
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    truncate_metrics(tmp_path, 1)                      # the rewrite a resume makes is strict too
+    assert [_strict(line)["step"] for line in (tmp_path / METRICS_FILE).read_text().splitlines()] == [1]
+    write_json(tmp_path / "summary.json", {"final_test_loss": float("nan"), "udp": {"x": float("inf")}})
+    assert _strict((tmp_path / "summary.json").read_text()) == {"final_test_loss": None, "udp": {"x": None}}

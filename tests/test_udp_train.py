@@ -167,6 +167,23 @@ def test_a_bad_key_file_is_one_line(tmp_path: Path, content: bytes | None) -> No
     assert not (tmp_path / "run").exists()
 
 
+def test_a_key_file_is_a_small_regular_file(tmp_path: Path) -> None:
+    """A device (/dev/zero: read until memory ran out) or a FIFO (blocked until written) is refused before it is
+    opened, and a file over the limit after reading one byte more than it: one line naming the file."""
+    from shaky.comm.udp.comm import MAX_KEY_FILE_BYTES, load_key  # noqa: PLC0415
+
+    fifo, big, good = tmp_path / "fifo", tmp_path / "big.key", tmp_path / "shaky.key"
+    os.mkfifo(fifo)
+    big.write_bytes(b"k" * (MAX_KEY_FILE_BYTES + 1))
+    good.write_bytes(b"k" * MAX_KEY_FILE_BYTES)
+    for path, why in (("/dev/zero", "is not a regular file"), (str(fifo), "is not a regular file"),
+                      (str(big), f"more than {MAX_KEY_FILE_BYTES} bytes"), (str(tmp_path / "none"), "cannot be read")):
+        with pytest.raises(ValueError, match=why) as error:
+            load_key(path)
+        assert str(error.value).startswith(f"dist.key_file {path!r}"), error.value
+    assert len(load_key(str(good))) == 32
+
+
 def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
         taken.bind(("127.0.0.1", 0))

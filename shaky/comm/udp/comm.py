@@ -14,11 +14,11 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import stat
 import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -53,10 +53,7 @@ def load_key(key_file: str = "", key_text: str | None = None) -> bytes | None:
     ``openssl rand -hex 32`` both make a good one. Raises ValueError naming the file or variable.
     """
     if key_file:
-        try:
-            material = Path(key_file).read_bytes()
-        except OSError as exc:
-            raise ValueError(f"dist.key_file {key_file!r} cannot be read: {exc.strerror or exc}") from None
+        material = _read_key_file(key_file)
         where = f"dist.key_file {key_file!r}"
     elif key_text is not None:
         material, where = key_text.encode(), f"the environment variable {KEY_ENV}"
@@ -67,6 +64,29 @@ def load_key(key_file: str = "", key_text: str | None = None) -> bytes | None:
         raise ValueError(f"{where} holds {'no key' if not material else f'{len(material)} bytes'}; a key needs at "
                          f"least {MIN_KEY_BYTES} (make one with: head -c 32 /dev/urandom > shaky.key)")
     return hashlib.sha256(b"shaky udp key\0" + material).digest()
+
+
+MAX_KEY_FILE_BYTES = 1 << 16
+"""The largest key file read (a key is 16 bytes or more; 64 KiB leaves room for any text form of one)."""
+
+
+def _read_key_file(key_file: str) -> bytes:
+    """The bytes of ``key_file``, a regular file of at most :data:`MAX_KEY_FILE_BYTES`: a device (/dev/zero) would
+    be read until memory runs out and a FIFO would block until something writes it, so neither is opened.
+    Raises ValueError naming the file."""
+    try:
+        info = os.stat(key_file)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"dist.key_file {key_file!r} is not a regular file (a key is read from a file of at "
+                             f"most {MAX_KEY_FILE_BYTES} bytes: head -c 32 /dev/urandom > shaky.key)")
+        with open(key_file, "rb") as f:
+            material = f.read(MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"dist.key_file {key_file!r} cannot be read: {exc.strerror or exc}") from None
+    if len(material) > MAX_KEY_FILE_BYTES:
+        raise ValueError(f"dist.key_file {key_file!r} holds more than {MAX_KEY_FILE_BYTES} bytes: not a key file "
+                         "(make one with: head -c 32 /dev/urandom > shaky.key)")
+    return material
 
 
 def agreed_key(key_file: str = "", key_text: str | None = None) -> bytes | None:
