@@ -62,8 +62,10 @@ def server_average(share: torch.Tensor, blocks: torch.Tensor, seg: int = 0, *,
     """
     b, w, n = blocks.shape
     # (a fresh bmm, then copied: bmm's out= at an offset summed 1 ulp apart here and there)
-    if seg <= 0 or n <= seg:     # one segment a block: one batched product (the simulator's every step)
-        whole = torch.bmm(share if share.shape[1] == 1 else share[:, :1], blocks).view(b, n)
+    if seg <= 0 or n <= seg or share.shape[1] == 1 or torch.equal(share, share[:, :1].expand_as(share)):
+        # One segment a block, or every segment from the same senders (no loss, as a rule): one batched
+        # product over whole blocks (each value the same sum over the senders as segment by segment).
+        whole = torch.bmm(share[:, :1], blocks).view(b, n)
         return whole if out is None else out.copy_(whole)
     avg = blocks.new_empty(b, n) if out is None else out
     for k0, count, length in _pieces(n, seg):

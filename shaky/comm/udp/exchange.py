@@ -1022,20 +1022,23 @@ class _Round:
             torch.from_numpy(vals).view(self.W, nseg, self.seg)[torch.from_numpy(lost)] = 0
         values = torch.from_numpy(vals[:, :n])
         weights = None if self.weights is None else torch.from_numpy(self.weights)
-        share = rps.shares(torch.from_numpy(up[:, None, :nseg]), weights, values.dtype)   # [1, nseg, W]
+        arrived = up[:, :nseg]
+        if (arrived == arrived[:, :1]).all():    # every segment from the same senders: one product for the block
+            arrived = arrived[:, :1]
+        share = rps.shares(torch.from_numpy(np.ascontiguousarray(arrived[:, None])), weights, values.dtype)
         rps.server_average(share, values[None], self.seg, out=torch.from_numpy(out)[None])
 
     def keep_own_where_lost(self, down: np.ndarray) -> None:
         """Where a server's average of a segment did not arrive, this rank keeps its own values
         (:func:`shaky.comm.rps.keep_own_where_lost`: the averages arrived in place, in ``res``)."""
-        lost = torch.from_numpy(~down)
+        lost = ~down
         for j in range(self.W):
             s = self.srv[j]
-            if s == self.me or not self.nseg[j]:
+            if s == self.me or not self.nseg[j] or not lost[s, :self.nseg[j]].any():
                 continue
             a, n = self.starts[j], self.sizes[j]
             rps.keep_own_where_lost(None, torch.from_numpy(self.x[a:a + n]).view(1, 1, n),
-                                    lost[s, :self.nseg[j]].view(1, 1, -1), self.seg,
+                                    torch.from_numpy(lost[s, :self.nseg[j]]).view(1, 1, -1), self.seg,
                                     out=torch.from_numpy(self.res[a:a + n]).view(1, 1, n))
 
 
