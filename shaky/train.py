@@ -354,7 +354,7 @@ def _resume_point(setup: Setup, run_dir: Path) -> dict[str, Any] | None:
         return None
     ckpt = load_checkpoint(run_dir)
     counters = Counters(**ckpt["counters"])
-    params, want = ckpt["params"], (setup.cfg.num_workers, setup.flat.flatten(setup.model).numel())
+    params, want = ckpt["params"], (setup.cfg.num_workers, setup.flat.dim)
     if not isinstance(params, torch.Tensor) or tuple(params.shape) != want or params.dtype != setup.dtype:
         got = f"{list(params.shape)} {params.dtype}" if isinstance(params, torch.Tensor) else type(params).__name__
         raise BadCheckpoint(f"resume: {run_dir / CHECKPOINT_FILE} holds parameters {got}, but this run's model has "
