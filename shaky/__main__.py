@@ -1,10 +1,24 @@
-"""``python -m shaky`` is the ``shaky`` command (torchrun can start it with ``-m shaky``)."""
+"""``python -m shaky`` is the ``shaky`` command (torchrun can start it with ``-m shaky``); :func:`entry` is also the
+console script's."""
 
-import sys
+from __future__ import annotations
 
-from shaky.interrupt import exiting
+from typing import NoReturn
 
-with exiting():  # a signal while Python loads shaky ends the process at once, with one line
-    from shaky.cli import main
 
-sys.exit(main())
+def entry() -> NoReturn:
+    """The ``shaky`` process: a signal while Python loads shaky (torch, scikit-learn: seconds) or after the command
+    is done ends it at once with one line (``shaky.interrupt.run_command``); the command itself stops as each of its
+    phases says."""
+    from shaky.interrupt import run_command
+
+    def main() -> int:
+        from shaky.cli import main as cli_main
+
+        return cli_main()
+
+    run_command(main)
+
+
+if __name__ == "__main__":
+    entry()

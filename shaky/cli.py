@@ -21,7 +21,7 @@ from typing import Any, Sequence
 # (no torch in shaky.config: process_settings must come before torch loads)
 from shaky.config import MACHINE_SETTINGS, MAX_SCALE_PERIOD
 from shaky.errors import AloneBadInput, BadInput, Stop
-from shaky.interrupt import exiting
+from shaky.interrupt import Stopped, exiting, raising
 from shaky.job.env import JobEnv
 from shaky.launch import EXIT_BAD_INPUT, EXIT_DIVERGED  # no torch (the launcher reads them)
 from shaky.outputs import check_writable, no_file_below
@@ -236,10 +236,8 @@ def cmd_train(args: argparse.Namespace, env: JobEnv) -> int:
     # The job's modules load torch: imported here, as every command's modules are in its cmd_ function, so that
     # shaky --version, shaky launch and bad input on the command line stay quick (and torch loads after
     # process_settings).
-    from shaky.job import checks, rank  # noqa: PLC0415
-    from shaky.job.stop import stopping  # noqa: PLC0415
-    from shaky.rundir import BadCheckpoint  # noqa: PLC0415
-    from shaky.train import prepare, train  # noqa: PLC0415
+    from shaky.job import local, rank  # noqa: PLC0415
+    from shaky.train import prepare  # noqa: PLC0415
 
     try:
         cfg, run_dir = _train_config(args, env)
@@ -258,14 +256,7 @@ def cmd_train(args: argparse.Namespace, env: JobEnv) -> int:
         return rank.rejoin(env, setup, joining, quiet=args.quiet)
     if cfg.backend == "dist":
         return rank.train_dist(env, setup, run_dir, resume=bool(args.resume), quiet=args.quiet)
-    checks.claim_run_dir(run_dir, resume=bool(args.resume))
-    setup.machines = {0: checks.read_here(setup, run_dir, resume=bool(args.resume))}
-    with stopping(run_dir, "shaky train"):
-        try:
-            summary = train(setup, run_dir, resume=bool(args.resume), label=cfg.strategy.name,
-                            progress=not args.quiet, faults=checks.faults(env))
-        except BadCheckpoint as exc:     # found before the run changed anything
-            raise BadInput(str(exc)) from None
+    summary = local.train_here(env, setup, run_dir, resume=bool(args.resume), quiet=args.quiet)
     if not args.quiet:
         print(json.dumps(summary, indent=2))
     print(f"run directory: {run_dir}")
@@ -451,8 +442,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             claim_dir(out / sweep.name, fresh=not (out / sweep.name).exists(), what="sweep directory")
     except (ValueError, OSError) as exc:
         raise BadInput(str(exc)) from None
-    from shaky.interrupt import Stopped, raising  # noqa: PLC0415
-
     resume = "the runs under way wrote checkpoints; run the same command again to resume (finished runs are kept)"
     try:
         with raising():
@@ -557,9 +546,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with exiting():  # seconds of loading torch and scikit-learn, before anything is written
             process_settings(shared_cores=_shares_cores(args, env))
             import shaky.data  # noqa: F401, PLC0415 (scikit-learn, scipy)
-        if args.command == "train":
-            return cmd_train(args, env)
-        return {"demo": cmd_demo, "scale": cmd_scale, "sweep": cmd_sweep, "report": cmd_report}[args.command](args)
+        with raising():     # SIGINT: KeyboardInterrupt, SIGTERM: Stopped, where the command is (its cleanup runs)
+            if args.command == "train":
+                return cmd_train(args, env)
+            return {"demo": cmd_demo, "scale": cmd_scale, "sweep": cmd_sweep, "report": cmd_report}[args.command](args)
     except BadInput as exc:
         # Every user-input check runs before a run directory exists; errors
         # raised later are bugs and keep their traceback. Under torchrun every rank finds the same bad
@@ -582,6 +572,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # a run that was under way says more (see shaky.job.stop.stopping)
         say("shaky: interrupted")
         return 130
+    except Stopped as exc:
+        say(f"shaky: {exc}")
+        return exc.exit_code
     except OSError as exc:  # no space left, a read-only directory: where, in one line
         where = f"{exc.filename}: " if exc.filename else ""
         say(f"shaky: error: {where}{exc.strerror or exc}")

@@ -11,12 +11,14 @@ stops them all.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
+import sys
 import threading
 from types import FrameType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 from shaky.progress import say
 
@@ -73,40 +75,20 @@ class SignalWatch:
 
 
 @contextlib.contextmanager
-def raising(signum: int = signal.SIGTERM) -> Iterator[None]:
-    """While inside (in the main thread), ``signum`` raises :class:`Stopped` where the program is, as Ctrl-C
-    raises KeyboardInterrupt, so that ``finally`` blocks and cleanup run (Python's default for SIGTERM is to
-    die on the spot). A :class:`SignalWatch` entered inside takes precedence while it lasts."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signum) is signal.SIG_IGN:
-        yield
-        return
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        raise Stopped(signum)
-
-    old = signal.signal(signum, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signum, old)
-
-
-@contextlib.contextmanager
-def exiting() -> Iterator[None]:
-    """While inside (in the main thread), SIGINT and SIGTERM end the process at once with one line and status
-    128 + the signal's number: for a command's start (loading torch, scikit-learn), where nothing has been
-    written yet. An exception raised by a signal in the middle of an import can be swallowed by the C code
-    it interrupts and leave the module half loaded (numpy's lazy submodules then recurse without end on
-    their next use), so the start is never interrupted by an exception. A signal the process ignores stays
+def raising() -> Iterator[None]:
+    """While inside (in the main thread), SIGINT raises KeyboardInterrupt and SIGTERM raises :class:`Stopped`
+    where the program is, so that ``finally`` blocks and cleanup run (Python's default for SIGTERM is to die on
+    the spot; and :func:`exiting`, the command line's policy outside, ends the process at once). A
+    :class:`SignalWatch` entered inside takes precedence while it lasts. A signal the process ignores stays
     ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handle(signum: int, frame: FrameType | None) -> None:
-        word = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-        os.write(2, f"shaky: {word}\n".encode())
-        os._exit(128 + signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Stopped(signum)
 
     old = {s: signal.signal(s, handle) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
     try:
@@ -114,3 +96,94 @@ def exiting() -> Iterator[None]:
     finally:
         for signum, handler in old.items():
             signal.signal(signum, handler)
+
+
+_writing = 0
+"""How many file writes (:func:`uninterrupted`) are under way in this process."""
+_held: list[int] = []
+"""A signal :func:`exiting` received during a write, acted on once the write ends."""
+_ended: str | None = None
+"""Set by :func:`ended`: the command's work is done, and a signal now changes nothing."""
+_end_code = 0
+"""The status the process ends with once its work is done."""
+
+
+def exit_at_once(signum: int, frame: FrameType | None = None) -> None:
+    """The handler of :func:`exiting`: one line and status 128 + the signal's number, at once (but never in the
+    middle of a file write: :func:`uninterrupted`). After :func:`ended`, status 0 and a line that says the
+    signal came when the work was done (and the command's own status)."""
+    if _writing:
+        _held.append(signum)
+        return
+    name = signal.Signals(signum).name
+    if _ended is not None:
+        _flush()
+        os.write(2, f"shaky: {name} received as shaky was ending; {_ended}\n".encode())
+        os._exit(_end_code)
+    os.write(2, f"shaky: {'interrupted' if signum == signal.SIGINT else f'stopped by {name}'}\n".encode())
+    os._exit(128 + signum)
+
+
+def _flush() -> None:
+    """What the command printed, out before the process ends (a write the signal interrupted is lost)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, RuntimeError):  # a closed pipe; a reentrant flush
+            pass
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A file write: :func:`exiting`'s exit at once waits for its end (the file is then whole, or removed), so
+    that no stop leaves a temporary file behind. The other policies raise or record, and the write's own
+    cleanup (``shaky.rundir.atomic_write``) handles what they raise."""
+    global _writing
+    _writing += 1
+    try:
+        yield
+    finally:
+        _writing -= 1
+        if not _writing and _held:
+            exit_at_once(_held[0])
+
+
+def ended(note: str, code: int = 0) -> None:
+    """The command's work is done (a run's summary is written): a signal from now on ends the process with
+    status ``code`` and a line with ``note``."""
+    global _ended, _end_code
+    _ended, _end_code = note, code
+
+
+@contextlib.contextmanager
+def exiting() -> Iterator[None]:
+    """While inside (in the main thread), SIGINT and SIGTERM end the process at once with one line and status
+    128 + the signal's number (:func:`exit_at_once`): for a command's start (loading torch, scikit-learn), where
+    nothing has been written yet, and its end. An exception raised by a signal in the middle of an import can be
+    swallowed by the C code it interrupts and leave the module half loaded (numpy's lazy submodules then recurse
+    without end on their next use), so the start is never interrupted by an exception. A signal the process
+    ignores stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, exit_at_once) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+
+
+def run_command(main: Callable[[], int]) -> NoReturn:
+    """The ``shaky`` process: ``main`` between an exit at once for the start (Python loading shaky, torch) and for
+    the end (after ``main`` returned), and the process ended with ``os._exit``: Python's own shutdown (torch's
+    teardown, a second or more) restores the default handlers, under which a signal killed a finished run
+    without a word (status -15). Nothing is left to do then but the exit functions the modules registered, which
+    run first: every file is closed and written."""
+    signal.signal(signal.SIGINT, exit_at_once) if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else None
+    signal.signal(signal.SIGTERM, exit_at_once) if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN else None
+    code = main()
+    ended(_ended or "it had done its work", code if _ended is None else _end_code)
+    atexit._run_exitfuncs()     # what the modules asked to run at exit (multiprocessing's semaphores, ...)
+    _flush()
+    os._exit(code)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shaky.interrupt import uninterrupted
 from shaky.config import (MACHINE_SETTINGS, RunConfig, config_from_dict, first_difference, load_toml, to_dict,
                           to_toml)
 
@@ -48,17 +49,18 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "w") -> N
     removed and ``path`` is as it was; an OSError becomes :class:`WriteError`, one line naming the path.
     """
     tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise WriteError(path, exc) from None
-        raise
+    with uninterrupted():   # a stop that ends the process at once waits for the write to end
+        try:
+            with open(tmp, mode) as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise WriteError(path, exc) from None
+            raise
 
 
 class BadCheckpoint(ValueError):
@@ -487,12 +489,17 @@ class Summary:
     versions: dict[str, str] | None = None
     """shaky, torch and Python of the process that wrote it (:func:`versions`; rank 0's on the dist backend);
     None in a summary written before shaky recorded them."""
+    config_sha256: str | None = None
+    """The digest of the config it is the result of, but the machine's own settings
+    (``shaky.resumable.config_digest``): a sweep takes a run as finished only where it is its config.toml's; None
+    in a summary written before shaky recorded it."""
 
     @staticmethod
     def from_run(cfg: RunConfig, last: dict[str, Any], counters: Counters, *, compute_ms: float,
                  num_parameters: int, diverged: bool = False, error: str = "",
-                 udp: dict[str, Any] | None = None) -> Summary:
-        """The summary of a run whose last evaluation is ``last`` (a metrics row) and whose totals are ``counters``."""
+                 udp: dict[str, Any] | None = None, config_sha256: str | None = None) -> Summary:
+        """The summary of a run whose last evaluation is ``last`` (a metrics row) and whose totals are ``counters``
+        (``config_sha256``: ``shaky.resumable.config_digest(cfg)``)."""
         return Summary(
             final_test_accuracy=last["test_accuracy"], final_test_loss=last["test_loss"],
             final_train_loss=last["train_loss"], final_worker_test_accuracy=last["worker_test_accuracy"],
@@ -513,7 +520,7 @@ class Summary:
             trace=str(Path(cfg.network.trace).resolve()) if cfg.network.trace else "",
             transport=cfg.dist.transport if cfg.backend == "dist" else "", udp=udp or None,
             wait_s=round(counters.wait_s, 6) if cfg.backend == "dist" else None,
-            sim_wait_s=round(counters.sim_wait_s, 6), versions=versions())
+            sim_wait_s=round(counters.sim_wait_s, 6), versions=versions(), config_sha256=config_sha256)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values; a number that is not finite (a diverged run's loss) becomes None, since

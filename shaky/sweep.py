@@ -47,7 +47,9 @@ import tomli_w
 from shaky.config import (MAX_SCALE_PERIOD, RunConfig, _build, config_from_dict, load_toml, parse_value, set_dotted,
                           to_dict)
 from shaky.interrupt import Stopped
-from shaky.rundir import CHECKPOINT_FILE, CONFIG_FILE, RUN_FILES, SUMMARY_FILE, write_json
+from shaky.resumable import check_finished, config_digest, summary_fields, values_digest
+from shaky.rundir import (CHECKPOINT_FILE, CONFIG_FILE, RUN_FILES, SUMMARY_FILE, atomic_write, load_run_config,
+                          write_json)
 from shaky.sweep_spec import check_sweep_spec
 
 SWEEP_FILE = "sweep.toml"
@@ -367,10 +369,12 @@ class Task:
     cost: float
 
 
-def run_status(run_dir: Path, values: dict[str, Any]) -> str:
+def run_status(run_dir: Path, values: dict[str, Any], kind: str = "train") -> str:
     """``done``, ``resume``, ``fresh`` (nothing there) or ``restart`` (half-written, no checkpoint).
 
-    Raises ValueError if the directory holds a run of a different config, or files a run never writes.
+    Raises ValueError if the directory holds a run of a different config, or files a run never writes, or fails
+    the resume check (``shaky.resumable``: a checkpoint or metrics that are not this run's, a summary of another
+    config), in one line naming the file.
     """
     if not run_dir.exists():
         return "fresh"
@@ -386,14 +390,25 @@ def run_status(run_dir: Path, values: dict[str, Any]) -> str:
             raise ValueError(f"{str(run_dir)!r} holds a run of another config ({_first_difference(saved, values)}); "
                              "delete it or sweep into another --out")
         if saved is not None and (run_dir / SUMMARY_FILE).is_file():
+            _check_finished(run_dir, values, kind)
             return "done"
         if saved is not None and (run_dir / CHECKPOINT_FILE).is_file():
+            load_run_config(run_dir)    # the checkpoint is this run's, and metrics.jsonl holds its rows
             return "resume"
     stray = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES)
     if stray:
         raise ValueError(f"{str(run_dir)!r} is unfinished but holds {stray[0]!r}, which a run never writes; "
                          "move it away or delete the directory")
     return "restart"
+
+
+def _check_finished(run_dir: Path, values: dict[str, Any], kind: str) -> None:
+    """A run is finished when its summary is the summary of its own config (``shaky.resumable.check_finished``)."""
+    if kind == "train":
+        cfg, _ = build_run(values, kind)
+        check_finished(run_dir, config_digest(cfg), summary_fields(cfg))
+    else:
+        check_finished(run_dir, values_digest(values), {"strategy": values.get("strategy", {}).get("name")})
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> str:
@@ -420,7 +435,7 @@ def plan(sweeps: Sequence[Sweep], out: Path) -> tuple[list[Task], int]:
     for sweep in sweeps:
         for point in sweep.points:
             run_dir = out / sweep.name / point.name
-            status = run_status(run_dir, point.values)
+            status = run_status(run_dir, point.values, sweep.kind)
             if status == "done":
                 done += 1
                 continue
@@ -436,6 +451,7 @@ def check_setups(tasks: Sequence[Task]) -> None:
     after other runs were written; and measures the compute time the runs that do not set
     ``network.compute_ms`` will share (``shaky.setup.measured_compute_ms``), here, before the workers start
     and load the cores."""
+    from shaky.resumable import check_resume  # noqa: PLC0415
     from shaky.setup import measured_compute_ms, prepare  # noqa: PLC0415
 
     for task in tasks:
@@ -444,6 +460,8 @@ def check_setups(tasks: Sequence[Task]) -> None:
         cfg, _ = build_run(task.values, task.kind)
         try:
             setup = prepare(cfg, measure=False)
+            if task.resume:     # the rest of the resume check: the checkpoint fits the model, the data is the same
+                check_resume(setup, Path(task.run_dir))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{task.sweep}/{task.name}: {exc}") from None
         if setup.compute_ms < 0:
@@ -493,10 +511,12 @@ def _execute(task: Task) -> dict[str, Any]:
         _clear_run_dir(run_dir)
     if task.kind == "scale" and scale_cfg is not None:  # build_run returns one for kind scale
         return _execute_scale(cfg, scale_cfg, run_dir)
+    from shaky.resumable import read_inputs  # noqa: PLC0415
     from shaky.rundir import claim_dir, read_summary, release_dir  # noqa: PLC0415
     from shaky.train import prepare, train  # noqa: PLC0415
 
     setup = prepare(cfg)
+    setup.machines = {0: read_inputs(setup)}    # the digests of its data, which a resume checks (check_setups)
     # The run's one writer while it trains (a `shaky train --resume` of it meanwhile is refused).
     claim_dir(run_dir, fresh=not task.resume)
     try:
@@ -537,7 +557,8 @@ def _execute_scale(cfg: RunConfig, scale_cfg: ScaleConfig, run_dir: Path) -> dic
                "recommended_period": recommended, "num_workers": cfg.num_workers,
                "exchange_s": scale.exchange_seconds(cfg.strategy.name, cfg, work, latency),
                "wan_latency_ms": scale_cfg.wan_latency_ms, "compute_ms": cfg.network.compute_ms,
-               "num_params": scale_cfg.num_params, "wall_time_s": time.perf_counter() - t0}
+               "num_params": scale_cfg.num_params, "wall_time_s": time.perf_counter() - t0,
+               "config_sha256": values_digest(resolved_values(cfg, scale_cfg))}
     write_json(run_dir / SUMMARY_FILE, summary)
     return summary
 
@@ -607,9 +628,7 @@ def run_sweeps(sweeps: Sequence[Sweep], out: str | Path, *, jobs: int | None = N
     for sweep in sweeps:  # the report reads the grid, the claims and the plots from here
         sweep_dir = out / sweep.name
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        tmp = sweep_dir / (SWEEP_FILE + ".tmp")
-        tmp.write_text(sweep.to_toml())
-        tmp.replace(sweep_dir / SWEEP_FILE)
+        atomic_write(sweep_dir / SWEEP_FILE, lambda f, text=sweep.to_toml(): f.write(text))
     jobs = max(1, min(jobs or default_jobs(), len(tasks) or 1))
     total = len(tasks) + done
     if progress:
@@ -692,11 +711,27 @@ def _in_worker(runner: Callable[[Task], dict[str, Any]], parent: int, task: Task
     (``_worker_init``), stops its run after the step with a checkpoint, and would then wait for its next
     task forever: the pool's queues are pipes the worker itself holds both ends of, so no end-of-file
     ever comes. It leaves instead."""
+    global _IN_TASK
+    _IN_TASK = True
     try:
         return runner(task)
     finally:
+        _IN_TASK = False
         if os.getppid() != parent:
             os._exit(1)
+
+
+_IN_TASK = False
+"""Whether this worker process is running a task (:func:`_in_worker`)."""
+
+
+def _worker_sigterm(signum: int, frame: Any) -> None:
+    """A worker's SIGTERM outside a run's loop (whose own watch stops it after a step with a checkpoint): in a task,
+    :class:`~shaky.interrupt.Stopped` where the run is, so that a file being written is removed rather than left
+    half-written (the sweep's next start redoes or resumes the run); between tasks, the worker ends at once."""
+    if _IN_TASK:
+        raise Stopped(signum)
+    os._exit(128 + signum)
 
 
 WORKER_STOP_S = 60.0
@@ -707,13 +742,15 @@ def _worker_init(parent: int) -> None:
     """Runs first in each worker process: it ends with its parent, and leaves Ctrl-C to it.
 
     The kernel sends the worker SIGTERM when the sweep process dies, even by SIGKILL (Linux's
-    PR_SET_PDEATHSIG); the run under way then stops after its step with a checkpoint. SIGINT is
+    PR_SET_PDEATHSIG); the run under way then stops after its step with a checkpoint (:func:`_worker_sigterm`
+    outside its loop). SIGINT is
     ignored: a Ctrl-C reaches every process of the terminal, and the parent stops the workers itself.
     """
     import ctypes  # noqa: PLC0415
     import signal  # noqa: PLC0415
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _worker_sigterm)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):  # not Linux: the worker notices its parent is gone at its next task

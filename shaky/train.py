@@ -12,6 +12,7 @@ only the writer process (rank 0 in torch.distributed) writes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import signal
 import time
@@ -32,7 +33,8 @@ from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule, Membership, Round
 from shaky.network.model import MaskLog, TraceNetwork
 from shaky.progress import Progress
-from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, BadCheckpoint, Counters, Summary, append_metrics, create,
+from shaky.resumable import check_params, config_digest
+from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, append_metrics, create,
                           load_checkpoint, load_run_config, load_trace, new_run_dir, read_metrics, record_start,
                           save_checkpoint, save_trace, truncate_metrics)
 from shaky.sampler import BatchSampler
@@ -113,7 +115,8 @@ def _mark(marks: list[float] | None) -> None:
 
 def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool = False, writer: bool = True,
           label: str = "train", progress: bool = True, faults: FaultInjector | None = None,
-          welcome: dict[str, Any] | None = None, members: Members | None = None) -> dict[str, Any]:
+          welcome: dict[str, Any] | None = None, members: Members | None = None,
+          signals: SignalWatch | None = None) -> dict[str, Any]:
     """Runs (or resumes) training into ``run_dir`` and returns the summary.
 
     ``welcome``: this process was started again for a dead rank and taken back by the survivors
@@ -124,7 +127,8 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     ``faults`` injects deterministic faults (``shaky.inject``): e.g. a ``stop`` at
     step s ends the run there without a final checkpoint, as a killed process would.
     ``members``: who is in each step (``shaky.membership``; its schedule from :func:`schedule_of`); None: the
-    config's failure schedule.
+    config's failure schedule. ``signals``: a watch the caller entered before it made the run directory (a signal
+    while it was made stops the run after its first step); None: the loop watches for its own.
     """
     cfg = setup.cfg
     comm = comm or SimComm(cfg.num_workers)
@@ -145,7 +149,7 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     metrics = _Metrics(setup, members.schedule, comm, run_dir, bar, writer, counters, t_start, last)
     if counters.step == 0:
         metrics.log(params, None, None)
-    with SignalWatch(announce=writer and progress) as signals:
+    with contextlib.nullcontext(signals) if signals else SignalWatch(announce=writer and progress) as signals:
         params, state = _loop(setup, comm, sampler, batch_mask, members, clock, masks, params, state, counters,
                               metrics, bar, faults, signals)
     bar.close()
@@ -354,11 +358,7 @@ def _resume_point(setup: Setup, run_dir: Path) -> dict[str, Any] | None:
         return None
     ckpt = load_checkpoint(run_dir)
     counters = Counters(**ckpt["counters"])
-    params, want = ckpt["params"], (setup.cfg.num_workers, setup.flat.dim)
-    if not isinstance(params, torch.Tensor) or tuple(params.shape) != want or params.dtype != setup.dtype:
-        got = f"{list(params.shape)} {params.dtype}" if isinstance(params, torch.Tensor) else type(params).__name__
-        raise BadCheckpoint(f"resume: {run_dir / CHECKPOINT_FILE} holds parameters {got}, but this run's model has "
-                         f"{list(want)} {setup.dtype} (the file was not written by this run); nothing was resumed")
+    check_params(run_dir, ckpt.get("params"), setup)
     log = MaskLog(setup.cfg.num_workers, counters.step)
     recorded = _recorded_masks(setup, run_dir, counters.step) if _observes_losses(setup.cfg) else setup.network
     for r in range(counters.step):
@@ -498,4 +498,5 @@ class _Metrics:
         if self.last is None:
             raise ValueError(f"{self.run_dir}: no evaluation row to summarise (metrics.jsonl is empty)")
         return Summary.from_run(self.setup.cfg, self.last, self.counters, compute_ms=self.setup.compute_ms,
-                                num_parameters=self.setup.flat.dim, diverged=diverged, error=error, udp=udp)
+                                num_parameters=self.setup.flat.dim, diverged=diverged, error=error, udp=udp,
+                                config_sha256=config_digest(self.setup.cfg))

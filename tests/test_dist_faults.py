@@ -76,3 +76,32 @@ def test_a_rank_killed_for_real_is_named(tmp_path: Path) -> None:
         lines = [line for line in err.splitlines() if line.startswith("shaky: error:")]
         assert code == 3 and len(lines) == 1, err[-1500:]
         assert "shaky: error: rank 1 stopped answering after step" in lines[0], lines[0]
+
+
+def test_a_resume_whose_checkpoint_is_not_the_runs_model_stops_every_rank_in_one_line(tmp_path: Path) -> None:
+    """A checkpoint whose checksum holds but whose parameters are another model's: rank 0 finds it before the
+    group trains and every rank stops at once with status 2 (rank 0 says why, once); nothing is changed."""
+    import hashlib
+    import io
+
+    import torch
+
+    from shaky.rundir import load_checkpoint
+
+    run_dir = tmp_path / "run"
+    args = ["--workers", "2", "--steps", "10", "--eval-every", "5", "--checkpoint-every", "5", "--quiet",
+            "--set", "network.compute_ms=1.0"]
+    made = finish(launch_ranks(["--backend", "dist", *args, "--out", str(run_dir)], tmp_path, workers=2), 120)
+    assert [code for code, _ in made] == [0, 0], made[0][1][-1500:]
+    ckpt = load_checkpoint(run_dir)
+    ckpt["params"] = ckpt["params"][:, :-3]
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    (run_dir / "checkpoint.pt").write_bytes(b"shaky checkpoint 1 sha256=" + hashlib.sha256(buf.getvalue()).hexdigest()
+                                            .encode() + b"\n" + buf.getvalue())
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    resumed = finish(launch_ranks(["--resume", str(run_dir)], tmp_path, workers=2), 120)
+    assert [code for code, _ in resumed] == [2, 2], resumed
+    said = [line for _, err in resumed for line in err.splitlines()]
+    assert len(said) == 1 and "holds parameters" in said[0] and "Traceback" not in "".join(e for _, e in resumed), said
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before

@@ -4,8 +4,10 @@ For each case: ``shaky`` exits with status 2, prints exactly one line on stderr 
 on stdout, and leaves the file system as it was (the tree under the case's directory, bytes included,
 equals the inputs made for it). Cases run in-process (``shaky.cli.main``) with the working directory set to
 the case's own tmp_path; damaged run and sweep directories are copies of ONE tiny real run and ONE tiny
-sweep, made once for the module. A few cases run as real processes, to see the property end to end.
-
+sweep, made once for the module. A few cases run as real processes, to see the property end to end (the key
+files among them, which only the ranks of a udp run read). Every case runs under a memory limit (RLIMIT_AS: its
+process's size plus 2 GiB in-process, 4 GiB a started process): an input that sizes an allocation fails its case
+rather than filling the machine.
 """
 
 from __future__ import annotations
@@ -240,7 +242,7 @@ SET_VALUES: dict[str, list[str]] = {
     "batch_size": ["0", "1000000"],
     "eval_every": ["0"],
     "checkpoint_every": ["-1"],
-    "dist_timeout_s": ["0", "inf", "nan"],
+    "dist_timeout_s": ["0", "inf", "nan", "1e308", "604801"],
     "target_accuracy": ["1.5", "-0.1", "nan"],
     "dtype": ['"float16"', "64"],
     "backend": ['"gloo"'],
@@ -453,6 +455,29 @@ def _cases() -> list[Case]:
     ]
     for name, damage in damaged:
         c.add(f"resume-{name}", resume, run_copy(damage))
+    # Whole checkpoints (their checksums hold) that are not this run's, and inputs that switch half way.
+    import torch
+
+    foreign: list[tuple[str, Damage]] = [
+        ("ckpt-step-huge", signed_checkpoint(edited_checkpoint(_set("counters.step", 10**12)))),
+        ("ckpt-step-negative", signed_checkpoint(edited_checkpoint(_set("counters.step", -3)))),
+        ("ckpt-step-text", signed_checkpoint(edited_checkpoint(_set("counters.step", "ten")))),
+        ("ckpt-params-shape", signed_checkpoint(edited_checkpoint(lambda c: c.update(params=c["params"][:, :-1])))),
+        ("ckpt-params-rows", signed_checkpoint(edited_checkpoint(lambda c: c.update(params=c["params"][:1])))),
+        ("ckpt-params-dtype", signed_checkpoint(edited_checkpoint(lambda c: c.update(params=c["params"].double() if c["params"].dtype == torch.float32 else c["params"].float())))),
+        ("ckpt-params-list", signed_checkpoint(edited_checkpoint(_set("params", [1.0, 2.0])))),
+        ("ckpt-params-huge-view", signed_checkpoint(edited_checkpoint(
+            lambda c: c.update(params=torch.zeros(1).expand(2, 10**9))))),
+        ("metrics-middle-row-lost", replace_file("metrics.jsonl", lambda b: b"".join(
+            line for k, line in enumerate(b.splitlines(keepends=True)) if k != 1))),
+        ("machines-other-data", edit_json("machines.json", lambda m: {
+            **m, "0": {**m["0"], "inputs": {**m["0"]["inputs"], "data": "0" * 64}}})),
+        ("machines-garbage", replace_file("machines.json", "{not json")),
+    ]
+    for name, damage in foreign:
+        c.add(f"resume-{name}", resume, run_copy(damage))
+    c.add("resume-replay-trace-switched-on", [*resume, "--replay-trace", "t.npz"],
+          run_copy(lambda d, rng: shutil.copy(d / "trace.npz", d.parent / "t.npz")))
 
     # --- shaky sweep
     def sweep_file(doc: dict[str, Any] | str, name: str = "s.toml") -> Prep:
@@ -491,6 +516,39 @@ def _cases() -> list[Case]:
         c.add(f"sweep-flags-{k}", ["sweep", "s.toml", "--quiet", *extra], ok, write("f", "x"))
     c.add("sweep-same-name", ["sweep", "a/s.toml", "b/s.toml", "--quiet"], sweep_file(_sweep_doc(), "a/s.toml"),
           sweep_file(_sweep_doc(), "b/s.toml"))
+    # A sweep continues only what is its own: a finished run's summary of its config, a checkpoint and metrics
+    # that are the run's (the resume check of `shaky train --resume`).
+    def other_seeds(name: str) -> Damage:
+        return lambda d, rng: shutil.copy(d / "seed=1" / name, d / "seed=0" / name)
+
+    def unfinished(damage: Damage) -> Damage:
+        def both(d: Path, rng: random.Random) -> None:
+            (d / "seed=0" / "summary.json").unlink()
+            damage(d / "seed=0", rng)
+        return both
+
+    sweep_damage: list[tuple[str, Damage]] = [
+        ("finished-other-summary", other_seeds("summary.json")),
+        ("finished-summary-digest", lambda d, rng: edit_json("summary.json", lambda m: {
+            **m, "config_sha256": "0" * 64})(d / "seed=0", rng)),
+        ("finished-old-summary-other-seed", lambda d, rng: edit_json("summary.json", lambda m: {
+            **{k: v for k, v in m.items() if k != "config_sha256"}, "seed": 1})(d / "seed=0", rng)),
+        ("finished-summary-garbage", lambda d, rng: (d / "seed=0" / "summary.json").write_text("[1, 2")),
+        ("resume-other-seed-ckpt", unfinished(lambda d, rng: shutil.copy(d.parent / "seed=1" / "checkpoint.pt",
+                                                                          d / "checkpoint.pt"))),
+        ("resume-metrics-middle-row-lost", unfinished(replace_file("metrics.jsonl", lambda b: b"".join(
+            line for k, line in enumerate(b.splitlines(keepends=True)) if k != 1)))),
+        ("resume-ckpt-bitflip", unfinished(flip_bit("checkpoint.pt", in_header=False))),
+        ("resume-ckpt-step-huge", unfinished(signed_checkpoint(edited_checkpoint(_set("counters.step", 10**12))))),
+        ("resume-ckpt-params-shape", unfinished(signed_checkpoint(edited_checkpoint(
+            lambda c: c.update(params=c["params"][:, :-1]))))),
+        ("resume-other-data", unfinished(edit_json("machines.json", lambda m: {
+            **m, "0": {**m["0"], "inputs": {**m["0"]["inputs"], "data": "0" * 64}}}))),
+    ]
+    for name, damage in sweep_damage:
+        c.add(f"sweep-{name}", ["sweep", "s.toml", "--quiet", "--out", "sweeps"], sweep_file(_sweep_doc(), "s.toml"),
+              lambda tmp, base, rng, damage=damage: (shutil.copytree(base.sweep, tmp / "sweeps" / "s"),
+                                                     damage(tmp / "sweeps" / "s", rng)))
 
     # --- shaky report
     c.add("report-no-dir", ["report"])
@@ -591,8 +649,10 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Base:
     return Base(root / "run", root / "sweeps" / "tiny")
 
 
-def _tree(root: Path) -> dict[str, bytes | None]:
-    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+def _tree(root: Path) -> dict[str, bytes | str | None]:
+    """Every path under ``root`` with its bytes (None: a directory; a FIFO, which reading would block on, by kind)."""
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes() if p.is_file() else "not a file")
+            for p in sorted(root.rglob("*"))}
 
 
 def _params() -> list[Any]:
@@ -611,10 +671,15 @@ def test_bad_input_is_one_line_and_writes_nothing(case: Case, base: Base, tmp_pa
     for prep in case.preps:
         prep(cwd, base, rng)
     before = _tree(cwd)
+    import resource
+
+    limits = _limit_memory()
     try:
         rc = main(case.argv)
     except SystemExit as exc:  # argparse
         rc = exc.code
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
     out, err = capsys.readouterr()
     assert "Traceback" not in err and "Traceback" not in out, err
     assert rc == 2, (rc, err[-2000:])
@@ -625,7 +690,7 @@ def test_bad_input_is_one_line_and_writes_nothing(case: Case, base: Base, tmp_pa
 
 
 def test_enough_cases() -> None:
-    assert len(CASES) >= 200
+    assert len(CASES) >= 300
     assert len({c.id for c in CASES}) == len(CASES)
     flags = {name for name in _FLAGS}
     assert flags <= set(FLAG_VALUES), flags - set(FLAG_VALUES)  # every train flag is fuzzed
@@ -640,7 +705,35 @@ SUBPROCESS_CASES = {
     "report-no-metrics": (["report", "run", "--out", "rep"], [run_copy(remove("metrics.jsonl"))]),
     "scale-out-txt": (["scale", "--out", "s.txt"], []),
     "resume-bitflip": (["train", "--resume", "run", "--quiet"], [run_copy(flip_bit("checkpoint.pt", in_header=False))]),
+    # Key files are read by the ranks of a udp run: two of them, started by shaky launch.
+    **{f"launch-key-{name}": (["launch", "--nproc", "2", "train", "--backend", "dist", "--transport", "udp",
+                               "--key-file", key, *IRIS2, "--steps", "2", "--quiet", "--out", "run"], preps)
+       for name, key, preps in [("device", "/dev/zero", []), ("fifo", "fifo", [lambda tmp, base, rng: os.mkfifo(tmp / "fifo")]),
+                                ("large", "big.key", [write("big.key", b"k" * 70_000)]),
+                                ("directory", "keys", [mkdir("keys")])]},
 }
+
+MEMORY_LIMIT = 2 << 30
+"""Bytes of address space a case may add (RLIMIT_AS): bad input that sizes an allocation (a step of 10**12, a
+key file on /dev/zero) fails the case instead of taking the machine's memory."""
+
+
+def _limit_memory(extra: int = MEMORY_LIMIT) -> tuple[int, int]:
+    """Lowers this process's soft RLIMIT_AS to its size now plus ``extra``; returns the limits to restore."""
+    import resource
+
+    old = resource.getrlimit(resource.RLIMIT_AS)
+    size = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("VmSize:"))) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra, old[1]))
+    return old
+
+
+def _limit_child_memory() -> None:
+    """``preexec_fn``: a started process may use 4 GiB of address space (torch's libraries take about 1)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
 def test_end_to_end_in_processes(base: Base, tmp_path: Path) -> None:
@@ -653,9 +746,10 @@ def test_end_to_end_in_processes(base: Base, tmp_path: Path) -> None:
         for prep in preps:
             prep(cwd, base, random.Random(f"{SEED}-{name}"))
         procs[name] = (cwd, _tree(cwd), subprocess.Popen([sys.executable, "-m", "shaky", *argv], cwd=cwd, env=env,
-                                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                        preexec_fn=_limit_child_memory))
     for name, (cwd, before, proc) in procs.items():
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=180)
         assert proc.returncode == 2, (name, proc.returncode, err)
         assert "Traceback" not in err, (name, err)
         assert len(err.splitlines()) == 1 and err.startswith("shaky: error: "), (name, err)

@@ -14,7 +14,9 @@ from shaky.config import MACHINE_SETTINGS, first_difference, machine_settings, t
 from shaky.errors import BadInput
 from shaky.inject import FaultInjector
 from shaky.job.env import JobEnv
-from shaky.rundir import claim_dir, read_machines
+from shaky.rundir import claim_dir
+from shaky import resumable
+from shaky.resumable import check_resume, input_path, other_inputs, read_inputs
 from shaky.setup import inputs_digest
 
 
@@ -40,28 +42,25 @@ def claim_run_dir(run_dir: Path, *, resume: bool) -> None:
 
 def read_here(setup: Any, run_dir: Path, *, resume: bool) -> dict[str, Any]:
     """A simulator run's machine settings and the digests of what it read (:func:`shaky.setup.inputs_digest`);
-    resumed, its data must be what the run's last start read (BadInput)."""
-    here = {"settings": machine_settings(setup.cfg), "inputs": inputs_digest(setup)}
+    resumed, the rest of the resume check (``shaky.resumable.check_resume``: the checkpoint fits the model, the
+    data and trace are what the run's last start read), BadInput where it fails."""
     try:
-        recorded = read_machines(run_dir).get(0) if resume else None
+        return check_resume(setup, run_dir) if resume else read_inputs(setup)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
-    check_as_trained(setup.cfg, here, recorded, f"--resume {run_dir}: its")
-    return here
 
 
 def check_as_trained(cfg: Any, here: dict[str, Any], recorded: dict[str, Any] | None, who: str) -> None:
-    """A resumed run reads the data (and trace) its last start read (``recorded``; None: not known), else
-    BadInput, its line starting with ``who``."""
-    differs = other_inputs(cfg, here, recorded, whose="then")
-    if differs is not None:
-        name, what, sums = differs
-        raise BadInput(f"{who} {what} than the run was trained on ({sums} at {input_path(recorded or {}, name)!r}); "
-                       "a resume goes on with the same data")
+    """:func:`shaky.resumable.check_as_trained`, BadInput where it fails."""
+    try:
+        resumable.check_as_trained(cfg, here, recorded, who)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
 
 
 def check_same_config(cfg: Any, *, resumed: bool, inputs: dict[str, str] | None = None,
-                      recorded: dict[str, Any] | None = None, restarts: str | None = None) -> dict[int, Any]:
+                      recorded: dict[str, Any] | None = None, restarts: str | None = None,
+                      refused: str | None = None) -> dict[int, Any]:
     """Every rank runs rank 0's config (but :data:`~shaky.config.MACHINE_SETTINGS`): each compares its own with
     rank 0's, sent over the process group, and all learn of any difference (a collective), so that every rank
     stops alike. In a new run each machine reads its own command line (BadInput, status 2); in a resumed run the
@@ -71,11 +70,14 @@ def check_same_config(cfg: Any, *, resumed: bool, inputs: dict[str, str] | None 
     must be rank 0's too: two machines whose data.path holds other data would train apart, silently (BadInput).
     ``recorded`` (rank 0 of a resumed run): what rank 0 read at the run's last start (``machines.json``); its
     data must be the same now (BadInput). ``restarts``: this rank's shaky launch's --max-restarts
-    (:attr:`JobEnv.max_restarts`), which must be rank 0's. Returns every rank's machine settings and digests, by
-    rank (rank 0 records them in the run directory)."""
+    (:attr:`JobEnv.max_restarts`), which must be rank 0's. ``refused`` (rank 0 of a resumed run): why its
+    checkpoint cannot be resumed (``shaky.resumable.check_params``), which every rank learns, to stop at once.
+    Returns every rank's machine settings and digests, by rank (rank 0 records them in the run directory)."""
     mine = json.loads(json.dumps(to_dict(cfg)))
     machine = {"settings": machine_settings(cfg), "inputs": inputs or {}}
-    rank0_config, recorded = broadcast_object((mine, recorded))
+    rank0_config, recorded, refused = broadcast_object((mine, recorded, refused))
+    if refused is not None:
+        raise BadInput(refused)
     found = gather_object((first_difference(mine, rank0_config, ignore=MACHINE_SETTINGS), machine, restarts))
     rank, theirs = next(((r, n) for r, (_, _, n) in enumerate(found) if n != found[0][2]), (None, None))
     if rank is not None:
@@ -120,25 +122,3 @@ def check_taken_back(cfg: Any, setup: Any, run: dict[str, Any], rank: int) -> No
         raise ForgedRecord(f"rank {rank} was taken back into a run that read other data: its {other[1]} ({other[2]}), "
                            "though the run's record in the rendezvous store said otherwise: something outside the "
                            "run wrote it")
-
-
-_INPUT_SETTING = {"data": "data.path", "network.trace": "network.trace"}
-"""The setting that names the file behind each of :func:`shaky.setup.inputs_digest`'s digests."""
-
-
-def input_path(machine: dict[str, Any], name: str) -> str:
-    return str(machine["settings"].get(_INPUT_SETTING[name], ""))
-
-
-def other_inputs(cfg: Any, machine: dict[str, Any], reference: dict[str, Any] | None, *,
-                 whose: str) -> tuple[str, str, str] | None:
-    """The first of ``machine``'s inputs (the data, a trace) that is not what ``reference`` read (each
-    ``{"settings", "inputs"}``; ``reference``'s settings are not needed): its name, "data.path '...' holds
-    other text data" and "sha256 ..., <whose> ..."; None where they agree (or ``reference`` has no digest)."""
-    for name, digest in machine["inputs"].items():
-        theirs = (reference or {}).get("inputs", {}).get(name)
-        if theirs is not None and digest != theirs:
-            what = f"{cfg.data.dataset} data" if name == "data" else "masks"
-            return (name, f"{_INPUT_SETTING[name]} {input_path(machine, name)!r} holds other {what}",
-                    f"sha256 {digest[:12]}, {whose} {theirs[:12]}")
-    return None

@@ -39,7 +39,8 @@ from shaky.membership import Agreed, Members, Scheduled
 from shaky.membership.heartbeat import Heartbeat
 from shaky.membership.quorum import ForgedRecord, LeftBehind, NotTakenBack
 from shaky.progress import say
-from shaky.rundir import read_machines
+from shaky.resumable import check_params
+from shaky.rundir import CHECKPOINT_FILE, load_checkpoint, read_machines
 from shaky.setup import inputs_digest, measured_compute_ms
 from shaky.train import schedule_of, train
 
@@ -142,8 +143,9 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
                            "processes; they must match (one worker per process)")
         inputs = inputs_digest(setup)
         recorded = read_machines(run_dir).get(0) if resume and dist.get_rank() == 0 else None
+        refused = resume_refused(setup, run_dir) if resume and dist.get_rank() == 0 else None
         setup.machines = check_same_config(cfg, resumed=resume, inputs=inputs, recorded=recorded,
-                                           restarts=env.max_restarts)
+                                           restarts=env.max_restarts, refused=refused)
         # The heartbeat tells a rank that died from one that hangs: on udp it beats in the quorum's store, whose
         # rounds leave out a rank silent for dist.heartbeat_timeout_s (live membership); on gloo in the
         # rendezvous store, where the survivors of a failure read it to name the rank that stopped.
@@ -212,6 +214,17 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
             print(json.dumps(summary, indent=2))
         print(f"run directory: {run_dir}")
     return 0
+
+
+def resume_refused(setup: Any, run_dir: Path) -> str | None:
+    """Rank 0 of a resumed run: why its checkpoint's parameters cannot be this run's (the rest of the resume check
+    ran before: ``shaky.rundir.load_run_config``; the data's digests are compared in ``check_same_config``)."""
+    try:
+        if (run_dir / CHECKPOINT_FILE).is_file():
+            check_params(run_dir, load_checkpoint(run_dir).get("params"), setup)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def run_stopped(env: JobEnv, rank: int, heartbeat: Heartbeat, cfg: Any, exc: Exception, run_dir: Path,

@@ -13,8 +13,10 @@ from shaky.rundir import CHECKPOINT_FILE, WriteError, load_checkpoint
 
 
 @contextlib.contextmanager
-def stopping(run_dir: Path, command: str, *, writer: bool = True) -> Iterator[None]:
-    """Turns a run that stops early into one line saying what was kept and how to go on (see shaky.interrupt)."""
+def stopping(run_dir: Path, command: str, *, writer: bool = True, fresh: bool = False) -> Iterator[None]:
+    """Turns a run that stops early into one line saying what was kept and how to go on (see shaky.interrupt).
+    ``fresh``: this process made ``run_dir``; stopped at once before it wrote a file there, the empty directory is
+    removed again (nothing was written, and the same command can be run again)."""
     local = run_dir if writer else None     # a rank > 0 says where rank 0's checkpoint is, not what it sees here
     try:
         yield
@@ -22,6 +24,8 @@ def stopping(run_dir: Path, command: str, *, writer: bool = True) -> Iterator[No
         raise Stop(f"{exc}; `{command} --resume {run_dir}` continues from there and ends as the uninterrupted "
                    "run would" if writer else "", exc.exit_code) from None
     except KeyboardInterrupt:
+        if fresh and writer and _remove_if_empty(run_dir):
+            raise Stop("interrupted at once, before the run wrote anything", 130) from None
         raise Stop(f"interrupted at once; last checkpoint: {checkpoint_note(run_dir, command, local)}", 130) from None
     except WriteError as exc:
         raise Stop(f"error: {exc}; last checkpoint: {checkpoint_note(run_dir, command, local)}", 1) from None
@@ -50,3 +54,11 @@ def checkpoint_note(run_dir: Path, command: str, local: Path | None = None) -> s
     except ValueError as exc:
         return f"none usable ({exc})"
     return f"{path} at step {step}; resume with `{command} --resume {run_dir}`"
+
+
+def _remove_if_empty(run_dir: Path) -> bool:
+    try:
+        run_dir.rmdir()     # only an empty directory goes
+    except OSError:
+        return False
+    return True
