@@ -138,8 +138,8 @@ def _merge_stats(stats: list[StepStats]) -> StepStats:
     group's block, so bytes add up and each link's message is counted (and lost) once."""
     if len(stats) == 1:
         return stats[0]
-    phases = tuple(PhaseTraffic(np.sum([p.link_bytes for p in same], axis=0), same[0].delivered, same[0].reliable)
-                   for same in zip(*(s.phases for s in stats)))
+    phases = tuple(PhaseTraffic(np.sum([p.link_bytes for p in same], axis=0), same[0].delivered, same[0].reliable,
+                                same[0].route) for same in zip(*(s.phases for s in stats)))
     return StepStats(phases)
 
 
