@@ -100,6 +100,34 @@ def test_default_servers_draw_the_masks_without_servers() -> None:
             assert torch.equal(x.up, y.up) and torch.equal(x.down, y.down)
 
 
+def test_a_trace_replays_its_per_block_masks_and_an_older_one_its_per_link_masks(tmp_path) -> None:
+    """A trace written now is per block (``by_block``): with a dead worker's block moved it replays as recorded
+    (the server's own parts True). One written before (no ``by_block``) holds per-link masks and replays with
+    each block on its server's link, as its run read them: ``up[:, servers]``, ``down[servers, :]``."""
+    w, servers = 4, torch.tensor([0, 2, 2, 3])
+    net = NetworkModel(NetworkConfig(drop_rate=0.4), w, seed=5)
+    samples = [net.sample(r, servers if r % 2 else None) for r in range(6)]
+    save_trace(tmp_path, pack_masks(samples), w)
+    trace = load_trace(str(tmp_path), w, 6)
+    assert trace.by_block
+    replay = TraceNetwork(NetworkConfig(), w, 5, *trace)
+    for r, s in enumerate(samples):
+        got = replay.sample(r, servers if r % 2 else None)
+        assert torch.equal(got.up, s.up) and torch.equal(got.down, s.down)
+    old = tmp_path / "old.npz"
+    links = [net.sample(r) for r in range(6)]           # per link, as traces were written before
+    packed = pack_masks(links)
+    np.savez_compressed(old, up=packed["up"], down=packed["down"], num_workers=np.int64(w))
+    trace = load_trace(str(old), w, 6)
+    assert not trace.by_block
+    replay = TraceNetwork(NetworkConfig(), w, 5, *trace)
+    for r, s in enumerate(links):
+        got = replay.sample(r, servers)
+        assert torch.equal(got.up, s.up[:, servers]) and torch.equal(got.down, s.down[servers, :])
+        plain = replay.sample(r)
+        assert torch.equal(plain.up, s.up) and torch.equal(plain.down, s.down)
+
+
 def test_gilbert_elliott_bursts_are_correlated_and_pure() -> None:
     cfg = NetworkConfig(drop_rate=0.0, burst_enter=0.05, burst_exit=0.2, burst_drop_rate=1.0)
     net = NetworkModel(cfg, 4, seed=3)
