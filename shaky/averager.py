@@ -20,8 +20,9 @@ averaged model goes through DiLoCo's outer step:
 own inner optimizer.
 
 Parameters keep their dtypes, devices and storage: the tensors of one dtype
-and device form one flat vector, and every such group is exchanged in the same
-round with the same delivery masks (see :class:`ModelAverager`). Floating
+and device form one flat vector, and on gloo every such group is exchanged in
+the same round with the same delivery masks (see :class:`ModelAverager`; on
+udp each group is an exchange of its own datagrams). Floating
 buffers (BatchNorm's running statistics) are averaged with them unless
 ``average_buffers=False``. ``state_dict()`` / ``load_state_dict()`` let a
 restarted job go on with the same drop pattern; ``average_parameters(params)``
@@ -138,8 +139,8 @@ def _merge_stats(stats: list[StepStats]) -> StepStats:
     group's block, so bytes add up and each link's message is counted (and lost) once."""
     if len(stats) == 1:
         return stats[0]
-    phases = tuple(PhaseTraffic(np.sum([p.link_bytes for p in same], axis=0), same[0].delivered, same[0].reliable)
-                   for same in zip(*(s.phases for s in stats)))
+    phases = tuple(PhaseTraffic(np.sum([p.link_bytes for p in same], axis=0), same[0].delivered, same[0].reliable,
+                                same[0].route) for same in zip(*(s.phases for s in stats)))
     return StepStats(phases)
 
 
@@ -172,9 +173,12 @@ class ModelAverager:
 
     Every rank draws the same delivery masks from ``seed`` and the round index. The tensors of one dtype and
     device form one flat vector (a model of one dtype is one vector, as ``parameters_to_vector`` lays it out),
-    and every group is block-averaged in the same round with the same masks: the message from rank i to server
-    j carries block j of every group, so a lost message leaves block j of every group out, and the counters
-    count it once. Values are copied back in place, so every tensor keeps its dtype, device and storage.
+    and on gloo every group is block-averaged in the same round with the same masks: the message from rank i to
+    server j carries block j of every group, so a lost message leaves block j of every group out, and the
+    counters count it once. On udp a datagram carries values of one dtype (its header names it, and its server
+    averages in it), so each group is an exchange of its own datagrams, with the masks of what arrived of them
+    and its own count (README, "What is averaged"). Values are copied back in place, so every tensor keeps its
+    dtype, device and storage.
 
     Buffers: floating ones (BatchNorm's running mean and variance) are averaged with the parameters, by the
     same exchange; the outer optimizer steps the parameters alone. Integer buffers (BatchNorm's

@@ -10,6 +10,7 @@ Pure functions of sizes: no tensors are moved here, and torch is not imported.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -67,15 +68,21 @@ def block_groups(dim: int, num_workers: int) -> tuple[tuple[int, int, int, int],
 class LinkSample:
     """Delivery masks of one round (True = delivered): bool [W, W] each, or [W, W, S] with segments.
 
+    The masks are per block, and each block is a message of its own: when a dead worker's block is served by
+    its successor, that successor's link carries two messages, lost each on its own (the paper's model).
+    While worker j serves block j (no failure) a block's message and a link are the same thing.
+
     A real transport builds one from what it observed: ``LinkSample(round, up, down, segment_bytes)``
-    with the masks laid out as below (the diagonal True, padding True).
+    with the masks laid out as below (a server's own part True, padding True).
     """
 
     round: int
     up: torch.Tensor
-    """up[i, j]: worker i's message to server j arrived (phase 1); up[i, j, k]: its segment k of block j."""
+    """up[i, j]: worker i's message of block j reached the block's server (phase 1); up[i, j, k]: its segment k.
+    True where i serves block j (its own part never travels)."""
     down: torch.Tensor
-    """down[j, i]: server j's message to worker i arrived (phase 2); down[j, i, k]: segment k of its average."""
+    """down[j, i]: the average of block j reached worker i (phase 2); down[j, i, k]: segment k of it. True where
+    i serves block j."""
     segment_bytes: int = 0
     """The segments' size in bytes (``network.segment_bytes``); 0: the masks are [W, W], one message per block."""
 
@@ -84,3 +91,12 @@ class LinkSample:
         if self.up.dim() != ndim or self.down.shape != self.up.shape:
             raise ValueError(f"LinkSample with segment_bytes {self.segment_bytes} needs masks of {ndim} dimensions, "
                              f"up and down alike; got up {list(self.up.shape)}, down {list(self.down.shape)}")
+
+
+def own_parts(servers: Sequence[int] | np.ndarray) -> np.ndarray:
+    """bool [W, W]: ``[i, j]`` True where worker i serves block j (``servers[j]``): the entries of
+    ``LinkSample.up`` that never travel (transposed: those of ``down``)."""
+    srv = np.asarray(servers, dtype=np.int64)
+    own = np.zeros((len(srv), len(srv)), dtype=bool)
+    own[srv, np.arange(len(srv))] = True
+    return own

@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from shaky.interrupt import uninterrupted
 from shaky.config import (MACHINE_SETTINGS, RunConfig, config_from_dict, first_difference, load_toml, to_dict,
@@ -376,27 +376,42 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
 # Trace
 
 
+class Trace(NamedTuple):
+    """A trace as :func:`load_trace` reads it."""
+
+    up: Any
+    """uint8 [rounds, S * ceil(W*W/8)]: the packed phase-1 masks (``shaky.network.model.MaskLog``)."""
+    down: Any
+    """The phase-2 masks, alike."""
+    by_block: bool
+    """The masks are per block (``shaky.geometry.LinkSample``); False: a trace written before blocks were
+    messages of their own, whose masks are per link (``TraceNetwork`` replays it with each block on its
+    server's link)."""
+
+
 def save_trace(run_dir: Path, packed: dict[str, np.ndarray], num_workers: int) -> None:
     """Writes the packed masks atomically into ``run_dir/trace.npz`` (:func:`atomic_write`).
 
     The file holds ``up`` and ``down`` (see ``shaky.network.model.MaskLog``), ``num_workers``, ``num_segments``
-    (S) and ``segment_bytes``; a trace written before segments existed has neither and reads as S = 1, 0.
+    (S), ``segment_bytes`` and ``by_block`` (1: the masks are per block); a trace written before segments
+    existed has neither of those two and reads as S = 1, 0, and one written before blocks were messages of
+    their own has no ``by_block`` (its masks are per link).
     """
     import numpy as np  # noqa: PLC0415 (keep this module light for the launcher)
 
-    segments = {"num_segments": np.int64(packed.get("num_segments", 1)),
-                "segment_bytes": np.int64(packed.get("segment_bytes", 0))}
+    extra = {"num_segments": np.int64(packed.get("num_segments", 1)),
+             "segment_bytes": np.int64(packed.get("segment_bytes", 0)),
+             "by_block": np.int64(packed.get("by_block", 1))}
     atomic_write(Path(run_dir) / TRACE_FILE, lambda f: np.savez_compressed(
-        f, up=packed["up"], down=packed["down"], num_workers=np.int64(num_workers), **segments), "wb")
+        f, up=packed["up"], down=packed["down"], num_workers=np.int64(num_workers), **extra), "wb")
 
 
-def load_trace(path: str, num_workers: int, steps: int, *,
-               segment_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def load_trace(path: str, num_workers: int, steps: int, *, segment_bytes: int | None = None) -> Trace:
     """Reads a trace from a run directory (or a trace.npz file), checking it fits this run.
 
     Returns the packed ``up`` and ``down`` rows ([rounds, S * ceil(W*W/8)] uint8, see
-    ``shaky.network.model.MaskLog``). With ``segment_bytes`` (this run's ``network.segment_bytes``), the trace
-    must have been recorded with it.
+    ``shaky.network.model.MaskLog``) and their layout (:class:`Trace`). With ``segment_bytes`` (this run's
+    ``network.segment_bytes``), the trace must have been recorded with it.
     """
     import numpy as np  # noqa: PLC0415
 
@@ -407,7 +422,8 @@ def load_trace(path: str, num_workers: int, steps: int, *,
             up, down, w = z["up"], z["down"], int(z["num_workers"])
             num_segments = int(z["num_segments"]) if "num_segments" in z else 1
             recorded_bytes = int(z["segment_bytes"]) if "segment_bytes" in z else 0
-    except (OSError, KeyError, ValueError) as exc:
+            by_block = int(z["by_block"]) if "by_block" in z else 0
+    except (OSError, KeyError, ValueError, TypeError) as exc:
         raise ValueError(f"network.trace: cannot read a trace from {path!r} ({exc})") from None
     if w != num_workers:
         raise ValueError(f"network.trace {path!r} was recorded with {w} workers, but num_workers is {num_workers}")
@@ -420,7 +436,9 @@ def load_trace(path: str, num_workers: int, steps: int, *,
     if segment_bytes is not None and segment_bytes != recorded_bytes:
         raise ValueError(f"network.trace {path!r} was recorded with network.segment_bytes = {recorded_bytes}, "
                          f"but network.segment_bytes is {segment_bytes}")
-    return up, down
+    if by_block not in (0, 1):
+        raise ValueError(f"network.trace {path!r}: by_block must be 0 or 1, got {by_block}")
+    return Trace(up, down, bool(by_block))
 
 
 # ---------------------------------------------------------------------------------------------------------------

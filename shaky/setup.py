@@ -28,7 +28,7 @@ from shaky.data import Dataset, assign_chunks, load_dataset, partition
 from shaky.models import FlatParams, build_model
 from shaky.network.model import NetworkModel, TraceNetwork
 from shaky.progress import say
-from shaky.rundir import load_trace
+from shaky.rundir import Trace, load_trace
 from shaky.strategies import Strategy, build_strategy
 from shaky.vectorized import make_functions, worker_logits
 
@@ -149,24 +149,24 @@ def _measure(setup: Setup) -> float:
     return float(min(times) * 1e3)
 
 
-def _load_trace(cfg: RunConfig) -> tuple[np.ndarray, np.ndarray]:
+def _load_trace(cfg: RunConfig) -> Trace:
     """The masks of ``network.trace``, checked to be what a run of ``cfg``'s workers wrote: a file that is
     cut short, damaged or of another layout is a ValueError naming it, not a crash in the middle of the run."""
     path = cfg.network.trace
     try:
-        up, down = load_trace(path, cfg.num_workers, cfg.steps, segment_bytes=cfg.network.segment_bytes)
+        trace = load_trace(path, cfg.num_workers, cfg.steps, segment_bytes=cfg.network.segment_bytes)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever a damaged zip or array raises, the file is unusable
         raise ValueError(f"network.trace: cannot read a trace from {path!r} ({type(exc).__name__}: "
                          f"{' '.join(str(exc).split())[:120]})") from None
     plane = (cfg.num_workers * cfg.num_workers + 7) // 8  # one packed [W, W] plane per segment of a block
-    for name, a in (("up", up), ("down", down)):
-        if a.dtype != np.uint8 or a.ndim != 2 or not a.shape[1] or a.shape[1] % plane or a.shape != up.shape:
+    for name, a in (("up", trace.up), ("down", trace.down)):
+        if a.dtype != np.uint8 or a.ndim != 2 or not a.shape[1] or a.shape[1] % plane or a.shape != trace.up.shape:
             raise ValueError(f"network.trace {path!r}: {name} is {a.dtype} {list(a.shape)}, not the packed masks "
                              f"of {cfg.num_workers} workers (uint8 [rounds, S x {plane}], up and down alike); "
                              "the file is damaged or not a shaky trace")
-    return up, down
+    return trace
 
 
 def _check_batches_fit(cfg: RunConfig, shards: list[np.ndarray]) -> None:
@@ -250,8 +250,7 @@ def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = No
                         vocab_size=data.vocab_size, hidden=cfg.model.hidden, seed=cfg.seed).to(device, dtype)
     flat = FlatParams(model)
     if cfg.network.trace:
-        up, down = _load_trace(cfg)
-        network: NetworkModel = TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, up, down)
+        network: NetworkModel = TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, *_load_trace(cfg))
     else:  # the message size sets how many segments a block has (network.segment_bytes)
         network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed, dim=flat.dim, itemsize=dtype.itemsize)
     grad_fn, forward_fn = make_functions(model, flat)

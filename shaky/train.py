@@ -31,7 +31,7 @@ from shaky.interrupt import SignalWatch, Stopped
 from shaky.membership import Members, Scheduled
 from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule, Membership, Round
-from shaky.network.model import MaskLog, TraceNetwork
+from shaky.network.model import MaskLog, NetworkModel, TraceNetwork
 from shaky.progress import Progress
 from shaky.resumable import check_params, config_digest
 from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, append_metrics, create,
@@ -186,7 +186,7 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
             return _handover(members.schedule, clock, masks, counters, state, setup)
 
         turn = members.step(step, handover)   # who is in this step (and who is taken back at its start)
-        rnd = Round(step, setup.network.sample(step), turn.members)
+        rnd = Round(step, _masks_of(setup.network, step, turn.members), turn.members)
         if rnd.members.any_rejoined:  # a returning worker takes the live workers' average model and state
             params, state = _take_back(rnd.members, members.schedule.live(step - 1), comm, params, state)
         evaluating = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
@@ -361,8 +361,9 @@ def _resume_point(setup: Setup, run_dir: Path) -> dict[str, Any] | None:
     check_params(run_dir, ckpt.get("params"), setup)
     log = MaskLog(setup.cfg.num_workers, counters.step)
     recorded = _recorded_masks(setup, run_dir, counters.step) if _observes_losses(setup.cfg) else setup.network
+    schedule = schedule_of(setup.cfg)
     for r in range(counters.step):
-        log.append(recorded.sample(r))
+        log.append(_masks_of(recorded, r, schedule.membership(r)))
     return {"params": ckpt["params"], "state": ckpt["state"], "counters": ckpt["counters"],
             "clock": ckpt.get("clock") or ClockState(counters.step, counters.sim_time_s, counters.sim_time_s),
             "compute_ms": float(ckpt["compute_ms"]) if "compute_ms" in ckpt else setup.compute_ms,
@@ -441,6 +442,11 @@ class _Masks:
                 counters.messages_dropped += observed(launched[0], launched[1], seen).messages_dropped
 
 
+def _masks_of(network: NetworkModel, step: int, members: Membership) -> LinkSample:
+    """The delivery masks of ``step`` under ``members``: per block, each block on its server's links."""
+    return network.sample(step, None if members.all_live else members.servers)
+
+
 def _observes_losses(cfg: RunConfig) -> bool:
     """Whether the run's delivery masks are what a real lossy transport observed (udp), not drawn from the seed:
     then every checkpoint writes them, and a resume reads them back instead of drawing them."""
@@ -450,8 +456,8 @@ def _observes_losses(cfg: RunConfig) -> bool:
 def _recorded_masks(setup: Setup, run_dir: Path, rounds: int) -> TraceNetwork:
     """The masks a udp run recorded up to its checkpoint, from its own trace.npz."""
     cfg = setup.cfg
-    up, down = load_trace(str(run_dir), cfg.num_workers, rounds, segment_bytes=cfg.network.segment_bytes)
-    return TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, up, down)
+    return TraceNetwork(cfg.network, cfg.num_workers, cfg.seed,
+                        *load_trace(str(run_dir), cfg.num_workers, rounds, segment_bytes=cfg.network.segment_bytes))
 
 
 class _Metrics:

@@ -150,11 +150,12 @@ def test_dead_server_block_is_served_by_its_successor() -> None:
     assert members.servers.tolist() == [0, 3, 3, 3]
     x = torch.tensor([[1.0] * 4, [10.0] * 4, [20.0] * 4, [3.0] * 4])
     up = torch.ones(4, 4, dtype=torch.bool)
-    up[0, 3] = False                                              # worker 0 -> server 3 lost
+    up[0, 3] = False                                              # worker 0's block 3 (to server 3) lost
     out = SimComm(4).block_average(x, up, torch.ones(4, 4, dtype=torch.bool), weights=members.weights,
                                    servers=members.servers)
-    # Block 0 (server 0): workers 0 and 3 alive and arrived: 2.0. Blocks 1-3 (server 3): only 3 itself arrived.
-    assert out[0].tolist() == [2.0, 3.0, 3.0, 3.0] and out[3].tolist() == [2.0, 3.0, 3.0, 3.0]
+    # Block 0 (server 0): workers 0 and 3 alive and arrived: 2.0. Blocks 1-3 (server 3) are messages of their
+    # own: worker 0's blocks 1 and 2 arrived (2.0), its block 3 did not (only 3 itself: 3.0).
+    assert out[0].tolist() == [2.0, 2.0, 2.0, 3.0] and out[3].tolist() == [2.0, 2.0, 2.0, 3.0]
 
 
 def test_allreduce_with_weighted_heterogeneous_batches_is_sgd_on_the_union(tmp_run) -> None:

@@ -156,7 +156,7 @@ def test_a_rank_started_again_is_taken_back(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["live_workers"] == 4 for r in rows if r["step"] >= back)
     # Once back, rank 2 serves its block again: its averages reach the others (the loopback loses almost none).
-    _, down = load_trace(str(run_dir), WORKERS, 1500)
+    _, down, _ = load_trace(str(run_dir), WORKERS, 1500)
     served = np.unpackbits(down[back + 4:], axis=1).reshape(len(down) - back - 4, -1, WORKERS, WORKERS)[:, :, 2]
     assert served.mean() > 0.99, served.mean()
     replay = tmp_path / "replay"

@@ -65,6 +65,69 @@ def test_per_link_matrix() -> None:
     assert abs(ups[0, 1].item() - 0.5) < 0.04 and ups[1, 1] == 1      # column 1 at rate 0.5, self kept
 
 
+@pytest.mark.parametrize("segment_bytes", [0, 8])
+def test_a_successor_s_two_blocks_are_lost_independently(segment_bytes: int) -> None:
+    """Worker 1 is dead and worker 2 serves blocks 1 and 2: each block is a message of its own, drawn on its own
+    at the link's rate (a segment that arrived for one block is not lost with the other's: the loss a block sees
+    is p, not the 2p of two blocks' masks and-ed), in both phases; the server's own parts always arrive, and the
+    draws are those of (seed, round, servers)."""
+    w, p, rounds = 4, 0.2, 3000
+    net = NetworkModel(NetworkConfig(drop_rate=p, segment_bytes=segment_bytes), w, seed=11, dim=4 * w)
+    servers = torch.tensor([0, 2, 2, 3])
+    samples = [net.sample(r, servers) for r in range(rounds)]
+    up = torch.stack([s.up if s.up.dim() == 3 else s.up[..., None] for s in samples]).float()      # [R, i, j, k]
+    down = torch.stack([s.down if s.down.dim() == 3 else s.down[..., None] for s in samples]).float()
+    assert up[:, 2, 1].min() == 1 and up[:, 2, 2].min() == 1 and down[:, 1, 2].min() == 1   # the server's own
+    for sender in (0, 3):    # its messages of blocks 1 and 2, both to server 2
+        a, b = 1 - up[:, sender, 1], 1 - up[:, sender, 2]
+        c, d = 1 - down[:, 1, sender], 1 - down[:, 2, sender]
+        # 3000 rounds (x segments): the standard error of a rate near 0.2 is under 0.008, of one near 0.04 0.004
+        for lost_one, lost_other in ((a, b), (c, d)):
+            assert abs(lost_one.mean().item() - p) < 0.03 and abs(lost_other.mean().item() - p) < 0.03
+            assert abs((lost_one * lost_other).mean().item() - p * p) < 0.015     # independent, not the same draw
+            assert abs(torch.maximum(lost_one, lost_other).mean().item() - (2 * p - p * p)) < 0.03
+    again = NetworkModel(NetworkConfig(drop_rate=p, segment_bytes=segment_bytes), w, seed=11, dim=4 * w)
+    assert torch.equal(again.sample(77, servers).up, samples[77].up)
+
+
+def test_default_servers_draw_the_masks_without_servers() -> None:
+    """servers = (0, 1, ..., W-1) is the default: the same draws, bit for bit, with bursts and segments too."""
+    for cfg in (NetworkConfig(drop_rate=0.3), NetworkConfig(drop_rate=0.3, segment_bytes=8),
+                NetworkConfig(drop_rate=0.1, burst_enter=0.1, burst_exit=0.3, burst_drop_rate=0.9)):
+        a, b = NetworkModel(cfg, 5, seed=2, dim=40), NetworkModel(cfg, 5, seed=2, dim=40)
+        for r in range(20):
+            x, y = a.sample(r), b.sample(r, torch.arange(5))
+            assert torch.equal(x.up, y.up) and torch.equal(x.down, y.down)
+
+
+def test_a_trace_replays_its_per_block_masks_and_an_older_one_its_per_link_masks(tmp_path) -> None:
+    """A trace written now is per block (``by_block``): with a dead worker's block moved it replays as recorded
+    (the server's own parts True). One written before (no ``by_block``) holds per-link masks and replays with
+    each block on its server's link, as its run read them: ``up[:, servers]``, ``down[servers, :]``."""
+    w, servers = 4, torch.tensor([0, 2, 2, 3])
+    net = NetworkModel(NetworkConfig(drop_rate=0.4), w, seed=5)
+    samples = [net.sample(r, servers if r % 2 else None) for r in range(6)]
+    save_trace(tmp_path, pack_masks(samples), w)
+    trace = load_trace(str(tmp_path), w, 6)
+    assert trace.by_block
+    replay = TraceNetwork(NetworkConfig(), w, 5, *trace)
+    for r, s in enumerate(samples):
+        got = replay.sample(r, servers if r % 2 else None)
+        assert torch.equal(got.up, s.up) and torch.equal(got.down, s.down)
+    old = tmp_path / "old.npz"
+    links = [net.sample(r) for r in range(6)]           # per link, as traces were written before
+    packed = pack_masks(links)
+    np.savez_compressed(old, up=packed["up"], down=packed["down"], num_workers=np.int64(w))
+    trace = load_trace(str(old), w, 6)
+    assert not trace.by_block
+    replay = TraceNetwork(NetworkConfig(), w, 5, *trace)
+    for r, s in enumerate(links):
+        got = replay.sample(r, servers)
+        assert torch.equal(got.up, s.up[:, servers]) and torch.equal(got.down, s.down[servers, :])
+        plain = replay.sample(r)
+        assert torch.equal(plain.up, s.up) and torch.equal(plain.down, s.down)
+
+
 def test_gilbert_elliott_bursts_are_correlated_and_pure() -> None:
     cfg = NetworkConfig(drop_rate=0.0, burst_enter=0.05, burst_exit=0.2, burst_drop_rate=1.0)
     net = NetworkModel(cfg, 4, seed=3)
@@ -88,7 +151,7 @@ def test_mask_log_grows_past_its_capacity_and_replays(tmp_path) -> None:
     packed = log.packed()
     assert log.rounds == 11 and packed["up"].shape == (11, 4)  # 25 bits -> 4 bytes a round
     save_trace(tmp_path, packed, 5)
-    up, down = load_trace(str(tmp_path), 5, 11)
+    up, down, _ = load_trace(str(tmp_path), 5, 11)
     replay = TraceNetwork(NetworkConfig(), 5, 99, up, down)
     for s in samples:
         r = replay.sample(s.round)
@@ -139,7 +202,7 @@ def test_trace_round_trip(tmp_path) -> None:
     net = NetworkModel(NetworkConfig(drop_rate=0.4), 5, seed=2)
     samples = [net.sample(r) for r in range(30)]
     save_trace(tmp_path, pack_masks(samples), 5)
-    up, down = load_trace(str(tmp_path), 5, 30)
+    up, down, _ = load_trace(str(tmp_path), 5, 30)
     replay = TraceNetwork(NetworkConfig(), 5, 99, up, down)
     for s in samples:
         r = replay.sample(s.round)

@@ -15,19 +15,19 @@ NEEDS_BUILD = pytest.mark.skipif(native.FASTPATH is None, reason="the compiled f
 
 def rule(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, seg: int, weights: torch.Tensor | None,
          servers: list[int]) -> torch.Tensor:
-    """The rule value by value (float64): server s = servers[j] averages segment k of block j over the senders
-    i with up[i, s, k] (weighted); worker r takes it where down[s, r, k], else keeps its own."""
+    """The rule value by value (float64): server servers[j] averages segment k of block j over the senders
+    i with up[i, j, k] (weighted; each block a message of its own); worker r takes it where down[j, r, k], else
+    keeps its own."""
     w, d = x.shape
     out, start = x.clone(), 0
     wts = torch.ones(w, dtype=x.dtype) if weights is None else weights.to(x.dtype)
     for j, n in enumerate(block_sizes(d, w)):
-        s = servers[j]
         for k in range(-(-n // seg) if seg else 1):
             a, b = start + k * seg if seg else start, start + min((k + 1) * seg, n) if seg else start + n
-            arrived = up[:, s, k].to(x.dtype) * wts
+            arrived = up[:, j, k].to(x.dtype) * wts
             avg = (arrived[:, None] * x[:, a:b]).sum(0) / arrived.sum()
             for r in range(w):
-                if down[s, r, k]:
+                if down[j, r, k]:
                     out[r, a:b] = avg
         start += n
     return out
@@ -39,10 +39,10 @@ def via_rps(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, seg: int, wei
     w, d = x.shape
     out, start = torch.empty_like(x), 0
     for j, n in enumerate(block_sizes(d, w)):
-        s, cols = servers[j], slice(start, start + n)
-        share = rps.shares(up[:, s:s + 1], weights, x.dtype)                  # [1, S, senders]
+        cols = slice(start, start + n)
+        share = rps.shares(up[:, j:j + 1], weights, x.dtype)                  # [1, S, senders]
         avg = rps.server_average(share, x[None, :, cols], seg)               # [1, n]
-        rps.keep_own_where_lost(avg, x[:, None, cols], ~down[s, :, None, :], seg, out=out[:, None, cols])
+        rps.keep_own_where_lost(avg, x[:, None, cols], ~down[j, :, None, :], seg, out=out[:, None, cols])
         start += n
     return out
 
@@ -54,10 +54,10 @@ def test_the_three_functions_are_the_rule(w: int, d: int, seg: int) -> None:
     for trial in range(4):
         x = torch.randn(w, d, generator=gen, dtype=torch.float64)
         up = torch.rand(w, w, segments, generator=gen) > 0.3
-        up[torch.arange(w), torch.arange(w)] = True        # a server's own values always arrive
         down = torch.rand(w, w, segments, generator=gen) > 0.3
         weights = torch.rand(w, generator=gen, dtype=torch.float64) + 0.5 if trial % 2 else None
         servers = torch.randperm(w, generator=gen).tolist() if trial >= 2 else list(range(w))
+        up[servers, torch.arange(w)] = True                 # a server's own values always arrive
         want = rule(x, up, down, seg, weights, servers)
         torch.testing.assert_close(via_rps(x, up, down, seg, weights, servers), want, rtol=1e-12, atol=1e-12)
 

@@ -43,8 +43,9 @@ def _train(setup: Setup, run_dir: Path) -> tuple[dict, torch.Tensor, list[dict]]
 
 def _reference(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, weights: list[float] | None,
                servers: list[int] | None, segment_bytes: int) -> torch.Tensor:
-    """The segment rule in plain Python: server s of block j averages segment k over the senders i with
-    up[i, s, k] (weighted), and worker i takes it where down[s, i, k], else keeps its own segment."""
+    """The segment rule in plain Python: the server of block j (servers[j]) averages segment k over the senders i
+    with up[i, j, k] (weighted; its own always counts), and worker i takes it where down[j, i, k] (or i is the
+    server), else keeps its own segment."""
     w, d = x.shape
     sizes = block_sizes(d, w)
     seg = segment_length(segment_bytes, x.element_size())
@@ -54,11 +55,11 @@ def _reference(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, weights: l
         first = sum(sizes[:j])
         for k in range(-(-sizes[j] // seg)):
             lo, hi = first + k * seg, first + min((k + 1) * seg, sizes[j])
-            senders = [i for i in range(w) if up[i, s, k]]
+            senders = [i for i in range(w) if up[i, j, k] or i == s]
             weight = [1.0 if weights is None else weights[i] for i in senders]
             avg = sum(wt * x[i, lo:hi] for wt, i in zip(weight, senders)) / sum(weight)
             for i in range(w):
-                if down[s, i, k]:
+                if down[j, i, k] or i == s:
                     out[i, lo:hi] = avg
     return out
 
@@ -119,9 +120,9 @@ def test_a_whole_block_segment_is_the_block_rule(strategy: str, tmp_run) -> None
 def test_one_segment_per_block_averages_as_the_block_rule() -> None:
     w, d = 5, 103
     x = torch.randn(w, d, generator=torch.Generator().manual_seed(0))
-    block = NetworkModel(NetworkConfig(drop_rate=0.4), w, seed=1).sample(7)
-    seg = NetworkModel(NetworkConfig(drop_rate=0.4, segment_bytes=4 * 21), w, seed=1, dim=d).sample(7)
     weights, servers = torch.tensor([1.0, 2.0, 0.0, 1.0, 3.0]), torch.tensor([0, 1, 3, 3, 4])
+    block = NetworkModel(NetworkConfig(drop_rate=0.4), w, seed=1).sample(7, servers)
+    seg = NetworkModel(NetworkConfig(drop_rate=0.4, segment_bytes=4 * 21), w, seed=1, dim=d).sample(7, servers)
     want = SimComm(w).block_average(x, block.up, block.down, weights=weights, servers=servers)
     got = SimComm(w).block_average(x, seg.up, seg.down, weights=weights, servers=servers, segment_bytes=4 * 21)
     assert torch.equal(got, want)
@@ -143,6 +144,24 @@ def test_a_hand_made_example() -> None:
     weighted = SimComm(2).block_average(x, up, down, weights=torch.tensor([3.0, 1.0], dtype=torch.float64),
                                         segment_bytes=16)
     assert weighted.tolist() == [[0, 1, 4.5, 5.5, 6.5, 7.5], [0, 1, 12, 5.5, 6.5, 7.5]]
+
+
+def test_a_successor_averages_each_of_its_blocks_over_its_own_arrivals() -> None:
+    """Worker 0 is dead and worker 1 serves blocks 0 and 1: each block is a message of its own, so worker 2's
+    segment 0 of block 1, which arrived, counts in block 1's average although its segment 0 of block 0 was lost
+    (one mask for both blocks on the link, or the AND of theirs, left it out), and block 1's average of segment 1
+    reaches worker 2 although block 0's was lost."""
+    # 3 workers, 6 float64 values, blocks of 2; 8-byte segments hold 1 value: block j = columns 2j, 2j + 1.
+    x = torch.tensor([[0.0, 0, 0, 0, 0, 0], [2.0, 4, 6, 8, 10, 12], [4.0, 8, 12, 16, 20, 24]], dtype=torch.float64)
+    weights, servers = torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64), torch.tensor([1, 1, 2])
+    up = torch.ones(3, 3, 2, dtype=torch.bool)
+    down = torch.ones(3, 3, 2, dtype=torch.bool)
+    up[2, 0, 0] = False      # worker 2's segment 0 of block 0 never reached server 1 (its block 1's did)
+    down[0, 2, 1] = False    # block 0's average of segment 1 never reached worker 2 (block 1's did)
+    out = SimComm(3).block_average(x, up, down, weights=weights, servers=servers, segment_bytes=8)
+    # block 0: segment 0 from worker 1 alone, segment 1 from both; block 1 and block 2 from both
+    assert out[1].tolist() == [2, 6, 9, 12, 15, 18]
+    assert out[2].tolist() == [2, 8, 9, 12, 15, 18]    # block 0's segment 1: its own
 
 
 @pytest.mark.parametrize("w,d,segment_bytes,dtype", [(4, 37, 8, torch.float32), (5, 103, 12, torch.float64),
@@ -204,7 +223,7 @@ def test_a_segmented_run_is_deterministic_and_replays_from_its_trace(strategy: d
 
     with np.load(first_dir / "trace.npz") as z:
         assert int(z["segment_bytes"]) == 64 and int(z["num_segments"]) == max(segment_counts(dim, 4, 16))
-    up, down = load_trace(str(first_dir), cfg.num_workers, cfg.steps, segment_bytes=64)
+    up, down, _ = load_trace(str(first_dir), cfg.num_workers, cfg.steps, segment_bytes=64)
     # The replay is told drop_rate 0: every loss it sees comes from the trace.
     replay_cfg = make_config(steps=30, eval_every=10, strategy=strategy,
                              network={"drop_rate": 0.0, "segment_bytes": 64})
@@ -291,13 +310,51 @@ def test_segment_traffic_with_a_dead_server() -> None:
     live = torch.tensor([True, False, True, True])
     members = Membership(live, torch.tensor([0, 2, 2, 3]), torch.zeros(w, dtype=torch.bool),
                          live.to(torch.float64), False, False)
-    links = NetworkModel(NetworkConfig(segment_bytes=16), w, seed=0, dim=d).sample(0)
+    links = NetworkModel(NetworkConfig(segment_bytes=16), w, seed=0, dim=d).sample(0, members.servers)
     up, down = block_exchange_traffic(x, w, links, members, reliable=False)
     assert up.link_bytes.shape == (w, w, 3)
-    assert up.link_bytes[0, 2].tolist() == [32.0, 32.0, 16.0]      # blocks 1 and 2, both served by worker 2
+    # Blocks 1 and 2, both served by worker 2, are messages of their own on the link 0 -> 2 (and 2 -> 0).
+    assert up.link_bytes[0, 1].tolist() == up.link_bytes[0, 2].tolist() == [16.0, 16.0, 8.0]
+    assert up.route[0][0, 1] == 0 and up.route[1][0, 1] == 2 and down.route[0][1, 0] == 2 and down.route[1][1, 0] == 0
     assert up.link_bytes[1].sum() == 0 and down.link_bytes[:, 1].sum() == 0   # the dead worker sends nothing
+    assert up.messages == down.messages == 3 * (3 + 2 + 3)     # segments of the blocks workers 0, 2, 3 send
     # Each live worker sends every block it does not serve (40 bytes each) and gets its average back.
     assert up.bytes_sent == down.bytes_sent == sum(40 for i in (0, 2, 3) for j in range(4) if [0, 2, 2, 3][j] != i)
+
+
+@pytest.mark.parametrize("segment_bytes", [0, 16])
+def test_the_clock_times_a_successor_s_two_messages_on_its_link(segment_bytes: int) -> None:
+    """Messages routed to a successor's link take the time of their bytes on that link (per-link latencies and
+    bandwidths): the same as one message of both blocks' bytes there, and a resent one is timed on its link."""
+    w, d = 4, 40
+    latency = tuple(tuple(1.0 + i + 10 * j for j in range(w)) for i in range(w))
+    bandwidth = tuple(tuple(8.0 * (1 + (i * j) % 3) for j in range(w)) for i in range(w))
+    network = NetworkModel(NetworkConfig(latency_ms=latency, bandwidth_mbps=bandwidth, segment_bytes=segment_bytes),
+                           w, seed=0, dim=d)
+    clock = Clock(network, 5.0, 200.0)
+    live = torch.tensor([True, False, True, True])
+    members = Membership(live, torch.tensor([0, 2, 2, 3]), torch.zeros(w, dtype=torch.bool),
+                         live.to(torch.float64), False, False)
+    links = network.sample(0, members.servers)
+    for phase, down in zip(block_exchange_traffic(torch.zeros(w, d), w, links, members, reliable=True), (0, 1)):
+        snd, rcv = phase.route
+        per_link = np.zeros_like(phase.link_bytes)
+        np.add.at(per_link, (snd, rcv), phase.link_bytes)
+        assert clock.phase_seconds(phase) == pytest.approx(clock.phase_seconds(PhaseTraffic(per_link, torch.ones(
+            per_link.shape, dtype=torch.bool), True)), rel=1e-12)
+        # one lost message of block 1 (served by worker 2) from worker 0, or to it: resent on the link 0 <-> 2
+        delivered = torch.ones(phase.delivered.shape, dtype=torch.bool)
+        delivered[(1, 0) if down else (0, 1)] = False
+        lost = dataclasses.replace(phase, delivered=delivered)
+        resent_bytes = np.where(delivered.numpy(), 0.0, phase.link_bytes).sum()
+        assert lost.dropped == (3 if segment_bytes else 1) and lost.bytes_sent == phase.bytes_sent + resent_bytes
+        timeout = 0.200 + 2 * latency[0][2] / 1e3 if not down else 0.200 + 2 * latency[2][0] / 1e3
+        more = clock.phase_seconds(lost) - clock.phase_seconds(phase)
+        assert more == pytest.approx(timeout + clock._transfer_s(phase.link_bytes, ~delivered.numpy() & phase.sent,
+                                                                 route=phase.route), rel=1e-12)
+        assert clock._transfer_s(phase.link_bytes, ~delivered.numpy() & phase.sent, route=phase.route) == \
+            pytest.approx(resent_bytes / (bandwidth[0][2] if not down else bandwidth[2][0]) / 1e6 * 8
+                          + (latency[0][2] if not down else latency[2][0]) / 1e3, rel=1e-12)
 
 
 def test_ring_traffic_with_segments() -> None:
@@ -328,7 +385,7 @@ def test_segment_masks_round_trip_through_the_trace(tmp_path: Path) -> None:
     assert packed["up"].shape == (11, num_segments * 4) and int(packed["num_segments"]) == num_segments
     assert all(np.array_equal(packed[k], pack_masks(samples)[k]) for k in ("up", "down"))
     save_trace(tmp_path, packed, w)
-    up, down = load_trace(str(tmp_path), w, 11, segment_bytes=24)
+    up, down, _ = load_trace(str(tmp_path), w, 11, segment_bytes=24)
     replay = TraceNetwork(NetworkConfig(segment_bytes=24), w, 0, up, down)
     for s in samples:
         r = replay.sample(s.round)
@@ -346,7 +403,7 @@ def test_an_old_trace_reads_as_one_segment(tmp_path: Path) -> None:
     samples = [NetworkModel(NetworkConfig(drop_rate=0.5), w, seed=1).sample(r) for r in range(4)]
     packed = pack_masks(samples)
     np.savez_compressed(tmp_path / "trace.npz", up=packed["up"], down=packed["down"], num_workers=np.int64(w))
-    up, down = load_trace(str(tmp_path), w, 4, segment_bytes=0)
+    up, down, _ = load_trace(str(tmp_path), w, 4, segment_bytes=0)
     replay = TraceNetwork(NetworkConfig(), w, 0, up, down)
     assert replay.num_segments == 1
     for s in samples:

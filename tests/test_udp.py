@@ -26,7 +26,7 @@ import torch
 
 import shaky.comm.udp.exchange as exchange_module
 from shaky.comm.udp import (FASTPATH, FINAL_DATAGRAMS, HEADER, OVERHEAD_BYTES, TAG_BYTES, AdaptiveDeadline,
-                            UdpExchange, UdpOptions)
+                            UdpExchange, UdpOptions, run_masks)
 from shaky.comm.udp.wire import _Mac
 from shaky.geometry import block_sizes
 
@@ -90,38 +90,37 @@ def seg_len(ex: UdpExchange, dtype: torch.dtype) -> int:
     return ex.segment_bytes // torch.empty((), dtype=dtype).element_size()
 
 
-def masks(results):
-    """The run's [W, W, S] masks from each rank's observed ones: up[i, r, k] (sender, server) and down[s, r, k]
-    (server, worker), rank r giving column r of each."""
-    up = torch.stack([res[1] for res in results], dim=1)
-    down = torch.stack([res[2] for res in results], dim=1)
+def masks(results, servers=None):
+    """The run's per-block [W, W, S] masks from each rank's observed ones (``run_masks``): up[i, j, k] (sender,
+    block) and down[j, r, k] (block, worker)."""
+    servers = list(range(len(results))) if servers is None else list(servers)
+    up, down = run_masks([res[1] for res in results], [res[2] for res in results], servers)
     return up.numpy(), down.numpy()
 
 
 def reference(rows: np.ndarray, up: np.ndarray, down: np.ndarray, seg: int, weights=None, servers=None) -> np.ndarray:
-    """RPS's rule per segment, in numpy: server s = servers[j] averages segment k of block j over the senders i
-    with up[i, s, k] (weighted); worker r takes it where down[s, r, k], else keeps its own."""
+    """RPS's rule per segment, in numpy: server servers[j] averages segment k of block j over the senders i
+    with up[i, j, k] (weighted; each block a message of its own); worker r takes it where down[j, r, k], else
+    keeps its own."""
     W, D = rows.shape
-    servers = list(range(W)) if servers is None else list(servers)
     w = np.ones(W, rows.dtype) if weights is None else np.asarray(weights, rows.dtype)
     out = rows.copy()
     start = 0
     for j, n in enumerate(block_sizes(D, W)):
-        s = servers[j]
         for k in range(math.ceil(n / seg)):
             a, b = start + k * seg, start + min((k + 1) * seg, n)
-            share = up[:, s, k].astype(rows.dtype) * w
+            share = up[:, j, k].astype(rows.dtype) * w
             avg = (share / share.sum()) @ rows[:, a:b]
             for r in range(W):
-                if down[s, r, k]:
+                if down[j, r, k]:
                     out[r, a:b] = avg
         start += n
     return out
 
 
 def expected_masks(W: int, D: int, seg: int, dropped, servers=None) -> tuple[np.ndarray, np.ndarray]:
-    """The masks a run must observe when sender i's hook drops ``dropped(i, phase, block, k, dest)``: per link,
-    segment k arrived if it arrived for every block the link carries (padding True)."""
+    """The masks a run must observe when sender i's hook drops ``dropped(i, phase, block, k, dest)``: per block,
+    segment k of block j arrived if it did (padding True)."""
     servers = list(range(W)) if servers is None else list(servers)
     nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
     S = max(1, *nseg)
@@ -132,8 +131,8 @@ def expected_masks(W: int, D: int, seg: int, dropped, servers=None) -> tuple[np.
         for k in range(nseg[j]):
             for i in range(W):
                 if i != s:
-                    up[i, s, k] &= not dropped(i, 1, j, k, s)     # sender i's segment to server s
-                    down[s, i, k] &= not dropped(s, 2, j, k, i)   # server s's average to worker i
+                    up[i, j, k] = not dropped(i, 1, j, k, s)      # sender i's segment of block j to server s
+                    down[j, i, k] = not dropped(s, 2, j, k, i)    # server s's average of block j to worker i
     return up, down
 
 
@@ -143,7 +142,7 @@ def random_rows(W: int, D: int, dtype=torch.float32, seed: int = 0) -> list[torc
 
 
 def assert_matches(results, rows, seg, *, weights=None, servers=None):
-    up, down = masks(results)
+    up, down = masks(results, servers)
     want = reference(torch.stack(rows).numpy(), up, down, seg, weights, servers)
     got = torch.stack([res[0] for res in results]).numpy()
     tol = 1e-12 if got.dtype == np.float64 else 1e-6
@@ -178,7 +177,8 @@ def test_zero_loss_is_the_exact_mean(W: int, compiled: bool, offload: bool) -> N
     nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
     for r, (new, up_obs, down_obs, stats) in enumerate(results):
         torch.testing.assert_close(new, mean, rtol=1e-6, atol=1e-7)
-        assert up_obs.shape == down_obs.shape == (W, max(nseg)) and up_obs.all() and down_obs.all()
+        assert up_obs.shape == (W, 1, max(nseg)) and down_obs.shape == (W, max(nseg))
+        assert up_obs.all() and down_obs.all()
         assert stats.received == sum(stats.expected) and stats.rejected == stats.late == 0
         assert stats.closed_by == ("complete", "complete")
         assert stats.sent == sum(nseg) - nseg[r] + (W - 1) * nseg[r]
@@ -274,8 +274,45 @@ def test_float64_unequal_blocks_remapped_servers_and_loss(compiled: bool) -> Non
     want_up, want_down = expected_masks(W, D, seg, dropped, servers)
     np.testing.assert_array_equal(up, want_up)
     np.testing.assert_array_equal(down, want_down)
-    assert up.shape == (W, W, 33) and up[:, [0, 2, 3], 32].all()     # padding: only block 0 has a segment 32
-    assert results[0][1].all()             # rank 0 serves nothing: its up column is all True
+    assert up.shape == (W, W, 33) and up[:, [1, 2, 3], 32].all()     # padding: only block 0 has a segment 32
+    assert results[0][1].shape == (W, 0, 33) and results[1][1].shape == (W, 2, 33)   # the blocks each serves
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_successor_averages_each_of_its_blocks_over_its_own_arrivals(compiled: bool) -> None:
+    """Rank 1 serves blocks 0 and 1 (a dead rank's successor): each block is a message of its own. Rank 2's
+    segment 0 of block 1, which arrived, counts in block 1's average although its segment 0 of block 0 was lost,
+    and block 1's average of segment 1 reaches rank 2 although block 0's was lost (the AND of the two blocks'
+    masks threw both away); the masks say so per block, and the simulator computes the same from them."""
+    from shaky.comm.sim import SimComm  # noqa: PLC0415
+
+    W, D = 3, 120                          # blocks of 40 float64 values: 5 segments of 8
+    servers = [1, 1, 2]
+    rows = random_rows(W, D, dtype=torch.float64, seed=8)
+
+    def dropped(sender: int, phase: int, block: int, k: int, dest: int) -> bool:
+        return (sender, phase, block, k) == (2, 1, 0, 0) or (sender, phase, block, k, dest) == (1, 2, 0, 1, 2)
+
+    with group(W, compiled=compiled) as exs:
+        seg = seg_len(exs[0], torch.float64)
+        assert seg == 8
+        _install(exs, dropped)
+        results = run_round(exs, rows, 0, servers=torch.tensor(servers))
+    x = torch.stack(rows)
+    up, down = assert_matches(results, rows, seg, servers=servers)
+    want_up, want_down = expected_masks(W, D, seg, dropped, servers)
+    np.testing.assert_array_equal(up, want_up)
+    np.testing.assert_array_equal(down, want_down)
+    assert not up[2, 0, 0] and up[2, 1, 0] and not down[0, 2, 1] and down[1, 2, 1]
+    # rank 1 (the server): block 0's segment 0 without rank 2's, block 1's segment 0 with it
+    torch.testing.assert_close(results[1][0][:8], x[:2, :8].mean(0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(results[1][0][40:48], x[:, 40:48].mean(0), rtol=0, atol=1e-12)
+    # rank 2: its own values of block 0's segment 1, block 1's average of segment 1
+    torch.testing.assert_close(results[2][0][8:16], x[2, 8:16], rtol=0, atol=0)
+    torch.testing.assert_close(results[2][0][48:56], x[:, 48:56].mean(0), rtol=0, atol=1e-12)
+    sim = SimComm(W).block_average(x, torch.from_numpy(up), torch.from_numpy(down), servers=torch.tensor(servers),
+                                   segment_bytes=exs[0].segment_bytes)
+    torch.testing.assert_close(torch.stack([res[0] for res in results]), sim, rtol=0, atol=1e-12)
 
 
 def test_matches_the_simulator_segment_average() -> None:
@@ -292,8 +329,7 @@ def test_matches_the_simulator_segment_average() -> None:
         _install(exs, _drop_rule(4, nseg))
         results = run_round(exs, rows, 0, weights=weights, servers=servers)
         segment_bytes = exs[0].segment_bytes
-    up = torch.stack([res[1] for res in results], dim=1)
-    down = torch.stack([res[2] for res in results], dim=1)
+    up, down = (torch.from_numpy(m) for m in masks(results, servers.tolist()))
     sim = SimComm(W).block_average(torch.stack(rows), up, down, weights=weights, servers=servers,
                                    segment_bytes=segment_bytes)
     torch.testing.assert_close(torch.stack([res[0] for res in results]), sim, rtol=1e-6, atol=1e-6)

@@ -16,10 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from shaky.rundir import load_checkpoint, read_summary
+from shaky.rundir import load_checkpoint, load_trace, read_summary
 
 from test_udp import _real_loss_unavailable
 
@@ -84,6 +85,37 @@ def test_a_real_lossy_udp_run_replays_in_the_simulator(tmp_path: Path) -> None:
     assert sim.returncode == 0, sim.stderr[-2000:]
     real, replayed = load_checkpoint(out)["params"], load_checkpoint(replay)["params"]
     torch.testing.assert_close(replayed, real, rtol=0, atol=REPLAY_ATOL)
+    assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
+
+
+def test_a_udp_run_with_a_failure_replays_in_the_simulator(tmp_path: Path) -> None:
+    """Worker 1 is down from step 8 to step 20 (the schedule's failure, on udp) and rank 2 serves its block too,
+    with 10% of the datagrams really lost: each of rank 2's blocks is a message of its own, so the trace holds
+    what arrived of each (block 1's column shows its own losses, not block 2's), and the simulator replaying it
+    ends at the same parameters (to 1e-12, in float64) with the same losses."""
+    out = tmp_path / "udp"
+    args = ("--strategy", "rps", "--steps", "30", "--eval-every", "10", "--set",
+            "failures=[{worker=1,step=8,rejoin=20}]", *FLOAT64)
+    done = _in_namespace(_torchrun(out, *args), loss=0.1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = read_summary(out)
+    assert summary["messages_dropped"] > 0, summary["udp"]
+    trace = load_trace(str(out), WORKERS, 30)
+    assert trace.by_block
+    plane = (WORKERS * WORKERS + 7) // 8
+    segments = trace.up.shape[1] // plane
+    up = np.unpackbits(trace.up.reshape(30, segments, plane), axis=2, count=WORKERS * WORKERS).reshape(
+        30, segments, WORKERS, WORKERS).astype(bool)                       # [step, segment, sender, block]
+    to_rank_2 = up[8:20][:, :, [0, 3]]                          # what the live senders' blocks 1 and 2 did
+    assert not to_rank_2[..., 1].all() and (to_rank_2[..., 1] != to_rank_2[..., 2]).any()
+
+    replay = tmp_path / "replay"
+    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(out / "config.toml"),
+                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(out), "--quiet",
+                          "--out", str(replay)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(out)["params"],
+                               rtol=0, atol=REPLAY_ATOL)
     assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
 
 

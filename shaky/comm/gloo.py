@@ -1,7 +1,8 @@
 """gloo's Comm: one worker per torch.distributed process, rows of shape [1, ...].
 
 RPS's two phases are an ``all_to_all_single`` (block j goes to the rank that serves it) and point-to-point sends of
-each server's average to every rank: the messages of the paper's two phases, on the same links. Every rank holds the
+each server's average to every rank: the messages of the paper's two phases, on the same links (a server of two
+blocks averages each over the senders whose message of that block arrived: the masks are per block). Every rank holds the
 same global delivery masks (drawn from the run seed), so the receiving side applies them (:mod:`shaky.comm.rps`): a
 block that "did not arrive" is simply left out of the average, exactly as in the simulator, and both backends agree
 round by round. The udp transport (:mod:`shaky.comm.udp.comm`) moves the block averages to datagrams.
@@ -186,6 +187,8 @@ class DistComm:
         row = x[0]
         sizes = block_sizes(row.numel(), w)
         srv = servers.tolist() if servers is not None else list(range(w))
+        if servers is not None:     # (the masks are per block; a server's own part never travels)
+            up, down = rps.own_parts_delivered(up, down, servers)
         # all_to_all_single lays data out by destination rank: order the blocks by their server.
         order = sorted(range(w), key=lambda j: srv[j])
         per_rank = [sum(sizes[j] for j in range(w) if srv[j] == r) for r in range(w)]
@@ -200,7 +203,6 @@ class DistComm:
         received = self._buffer(staging, w * mine, row)
         dist.all_to_all_single(received, row.contiguous(), output_split_sizes=[mine] * w,
                                input_split_sizes=per_rank, group=group)
-        share = rps.shares(up[:, me:me + 1], weights, x.dtype)   # [1, 1, senders]: each arrival's weight
 
         # Phase 2: I send my average to every rank and get every server's back, in ``order`` layout: the
         # average is computed straight into my piece of the result and sent from there, and every server's
@@ -210,7 +212,13 @@ class DistComm:
         out = row.new_empty(row.numel())
         piece = [sum(per_rank[:r]) for r in range(w)]
         avg = out[piece[me]:piece[me] + mine]
-        rps.server_average(share, received.view(1, w, mine), out=avg.view(1, mine))
+        # Each block I serve is a message of its own: its average is over the senders whose block arrived.
+        offset = 0
+        for j in (j for j in order if srv[j] == me):
+            share = rps.shares(up[:, j:j + 1], weights, x.dtype)   # [1, 1, senders]: each arrival's weight
+            rps.server_average(share, received.view(1, w, mine)[:, :, offset:offset + sizes[j]],
+                               out=avg[offset:offset + sizes[j]].view(1, sizes[j]))
+            offset += sizes[j]
         requests = []
         for r in range(w):
             if r != me:
@@ -223,7 +231,7 @@ class DistComm:
         # Where a server's average was lost, keep my own block (only those blocks: no full-size mask).
         pos, lost = 0, torch.ones(1, 1, 1, dtype=torch.bool)
         for j in order:
-            if not down[srv[j], me]:
+            if not down[j, me]:
                 rps.keep_own_where_lost(None, row[pos:pos + sizes[j]].view(1, 1, sizes[j]), lost,
                                         out=out[pos:pos + sizes[j]].view(1, 1, sizes[j]))
             pos += sizes[j]

@@ -7,9 +7,11 @@ with a segment length ``seg`` > 0 each block is cut further into segments of ``s
 - Phase 1, at a server (:func:`shares`, :func:`server_average`): the average of a block, segment by segment,
   over the senders whose segment arrived, each weighted by its worker's weight::
 
-      avg[k] = sum_i w_i a_ik x_i[k] / sum_i w_i a_ik        (a_ik: sender i's segment k arrived)
+      avg[k] = sum_i w_i a_ik x_i[k] / sum_i w_i a_ik        (a_ik: sender i's segment k of this block arrived)
 
-  Its own segment always arrives. A segment that arrived from nobody of nonzero weight is 0/0 (NaN): the
+  Each block is a message of its own: a server of two blocks (a dead worker's successor) averages each over
+  the senders whose segment of that block arrived (the masks are per block, ``LinkSample``'s). Its own
+  segment always arrives (:func:`own_parts_delivered`). A segment that arrived from nobody of nonzero weight is 0/0 (NaN): the
   caller never uses it (only a server out of the round gets one).
 - Phase 2, at a worker (:func:`keep_own_where_lost`): it takes the server's average of each segment where it
   arrived, and keeps its own values where it was lost. Unbiased and never worse than not averaging.
@@ -24,13 +26,15 @@ from __future__ import annotations
 
 import torch
 
+from shaky.geometry import own_parts
+
 
 def shares(up: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Each arrival's weight in its server's average: ``w_i a_i / sum_i w_i a_i``.
 
-    ``up``: bool [senders, servers] (or [senders, servers, S] per segment), what arrived at each server;
-    ``weights``: [senders] or None (equal). Returns [servers, S, senders] in ``dtype`` (S = 1 for [senders,
-    servers]), contiguous: a server's row of weights is what multiplies its received blocks
+    ``up``: bool [senders, blocks] (or [senders, blocks, S] per segment), what arrived of each block at its
+    server; ``weights``: [senders] or None (equal). Returns [blocks, S, senders] in ``dtype`` (S = 1 for
+    [senders, blocks]), contiguous: a block's row of weights is what multiplies its received values
     (:func:`server_average`).
     """
     arrived = up.to(dtype)
@@ -38,6 +42,18 @@ def shares(up: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtype) -
         arrived = arrived * weights.to(dtype).reshape(-1, *([1] * (up.dim() - 1)))
     share = arrived / arrived.sum(0)
     return share.T.unsqueeze(1).contiguous() if up.dim() == 2 else share.permute(1, 2, 0).contiguous()
+
+
+def own_parts_delivered(up: torch.Tensor, down: torch.Tensor, servers: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masks (per block, ``shaky.geometry.LinkSample``'s) with each server's own part of the blocks it serves
+    delivered, ``up[servers[j], j]`` and ``down[j, servers[j]]``: it never travels. The network model's masks
+    have them; masks made by hand may not, and a block whose server's own values were left out would be
+    averaged without them (or over no sender at all)."""
+    own = torch.from_numpy(own_parts(servers.tolist())).to(up.device)
+    if up.dim() == 3:
+        own = own[..., None]
+    return up | own, down | own.transpose(0, 1)
 
 
 def _pieces(n: int, seg: int) -> list[tuple[int, int, int]]:

@@ -61,8 +61,8 @@ class SimComm:
                       overwrite: bool = False, segment_bytes: int = 0) -> torch.Tensor:
         """RPS's rule (:mod:`shaky.comm.rps`) over every block at once: each group of equal blocks is one
         batched average and one elementwise choice, no Python loop over the workers."""
-        if servers is not None:  # block j travels on the links of the worker that serves it
-            up, down = up[:, servers], down[servers, :]
+        if servers is not None:  # (the masks are per block; a server's own part of a block never travels)
+            up, down = rps.own_parts_delivered(up, down, servers)
         if x.device.type != "cpu":   # the masks (and weights) are drawn on the host: the average runs where x is
             up, down = on_device(up, x.device), on_device(down, x.device)
             weights = None if weights is None else on_device(weights, x.device)

@@ -84,12 +84,16 @@ class PhaseTraffic:
     """One phase of an exchange: every message that crossed the network at once."""
 
     link_bytes: np.ndarray
-    """float [W, W]: bytes sent on link i -> j in this phase (0 where nothing is sent); with segments
-    [W, W, S]: the bytes of segment k on link i -> j (each segment with bytes is a message)."""
+    """float [W, W]: bytes of message [a, b] in this phase, sent on link a -> b (0 where nothing is sent); with
+    segments [W, W, S]: the bytes of its segment k (each segment with bytes is a message)."""
     delivered: torch.Tensor
-    """bool, the shape of ``link_bytes``: whether the message (segment) on link i -> j arrived."""
+    """bool, the shape of ``link_bytes``: whether the message (segment) arrived."""
     reliable: bool
     """True if a lost message is detected and resent (TCP-like), False if it is just lost."""
+    route: tuple[np.ndarray, np.ndarray] | None = None
+    """(sender, receiver), int [W, W] each: the link that message [a, b] travels on, where it is not a -> b
+    (a block exchange with a dead worker's block moved: message [i, j] is worker i's block j, on the link
+    to the block's server, which carries another block too); None: link a -> b."""
 
     def __post_init__(self) -> None:
         if self.link_bytes.shape != tuple(self.delivered.shape):
@@ -154,36 +158,60 @@ class Clock:
         """Seconds the last step waited, past its compute, for the exchanges due at its end."""
         self._sent_s = _PerArray(self._every_message_s)
 
-    def _every_message_s(self, link_bytes: np.ndarray) -> tuple[float, float]:
+    def _every_message_s(self, link_bytes: np.ndarray,
+                         route: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, float]:
         """(seconds, seconds without the latencies) of one round of every message of ``link_bytes``."""
         sent = _FIXED(link_bytes).sent
-        return self._transfer_s(link_bytes, sent), self._transfer_s(link_bytes, sent, latency=False)
+        return (self._transfer_s(link_bytes, sent, route=route),
+                self._transfer_s(link_bytes, sent, latency=False, route=route))
 
-    def _transfer_s(self, link_bytes: np.ndarray, mask: np.ndarray, *, latency: bool = True) -> float:
+    def _transfer_s(self, link_bytes: np.ndarray, mask: np.ndarray, *, latency: bool = True,
+                    route: tuple[np.ndarray, np.ndarray] | None = None) -> float:
         """One round of the messages in ``mask``: the busiest port's bytes plus its longest latency.
 
-        With segments ([W, W, S]) a link carries the bytes of its segments in ``mask``, back to back.
+        With segments ([W, W, S]) a link carries the bytes of its segments in ``mask``, back to back. ``route``:
+        the link of each message (``PhaseTraffic.route``), where it is not its index.
         """
         if not mask.any():
             return 0.0
         if mask.ndim == 3:
             link_bytes, mask = np.where(mask, link_bytes, 0.0).sum(axis=2), mask.any(axis=2)
+        if route is not None:
+            return self._routed_s(link_bytes, mask, latency, route)
         tx = np.where(mask, link_bytes / self.bytes_per_s, 0.0)
         lat = np.where(mask, self.latency_s if latency else 0.0, 0.0)
         send = tx.sum(axis=1) + lat.max(axis=1)   # sender i: its messages back to back, the farthest one last
         receive = tx.sum(axis=0) + lat.max(axis=0)
         return float(max(send.max(), receive.max()))
 
+    def _routed_s(self, message_bytes: np.ndarray, mask: np.ndarray, latency: bool,
+                  route: tuple[np.ndarray, np.ndarray]) -> float:
+        """:meth:`_transfer_s` of messages that travel on the links ``route`` names: each port's messages
+        back to back, the farthest one last."""
+        snd, rcv = (r.reshape(-1) for r in route)
+        tx = np.where(mask, message_bytes / self.bytes_per_s[route], 0.0).reshape(-1)
+        lat = np.where(mask, self.latency_s[route] if latency else 0.0, 0.0).reshape(-1)
+        w = self.latency_s.shape[0]
+        ports = []
+        for port in (snd, rcv):
+            farthest = np.zeros(w)
+            np.maximum.at(farthest, port, lat)
+            ports.append(np.bincount(port, tx, minlength=w) + farthest)
+        return float(max(ports[0].max(), ports[1].max()))
+
     def phase_seconds(self, phase: PhaseTraffic) -> float:
         """Seconds until every worker holds what it will get from this phase."""
-        seconds = self._sent_s(phase.link_bytes)[0]
+        route = phase.route
+        every = self._sent_s(phase.link_bytes) if route is None else self._every_message_s(phase.link_bytes, route)
+        seconds = every[0]
         lost = phase.lost if phase.reliable else None
         if lost is not None and lost.any():
             # TCP's timeout is at least its minimum RTO plus a round trip (Linux: 200 ms + RTT). With segments,
             # one timeout for the phase too, after which only the lost segments are resent.
             lost_links = lost if lost.ndim == 2 else lost.any(axis=2)
-            timeout = self.rto_s + 2.0 * float(self.latency_s[lost_links].max())
-            seconds += timeout + self._transfer_s(phase.link_bytes, lost)
+            latency = self.latency_s if route is None else self.latency_s[route]
+            timeout = self.rto_s + 2.0 * float(latency[lost_links].max())
+            seconds += timeout + self._transfer_s(phase.link_bytes, lost, route=route)
         return seconds
 
     def exchange_seconds(self, phases: tuple[PhaseTraffic, ...]) -> float:
@@ -195,10 +223,12 @@ class Clock:
         (and, on a reliable transport, the resent ones), without the latencies and timeouts it waits through."""
         total = 0.0
         for phase in phases:
-            total += self._sent_s(phase.link_bytes)[1]
+            route = phase.route
+            total += (self._sent_s(phase.link_bytes) if route is None
+                      else self._every_message_s(phase.link_bytes, route))[1]
             lost = phase.lost if phase.reliable else None
             if lost is not None and lost.any():
-                total += self._transfer_s(phase.link_bytes, lost, latency=False)
+                total += self._transfer_s(phase.link_bytes, lost, latency=False, route=route)
         return total
 
     def advance(self, phases: tuple[PhaseTraffic, ...], delay: int = 1) -> float:

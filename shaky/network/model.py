@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from shaky.geometry import LinkSample, segment_counts, segment_length
+from shaky.geometry import LinkSample, own_parts, segment_counts, segment_length
 from shaky.native import SeededUniform
 from shaky.network.presets import region_of_workers, region_rtt_ms
 
@@ -109,29 +109,50 @@ class NetworkModel:
             self._chain_round = r
         return self._chain_bad
 
-    def sample(self, round_: int) -> LinkSample:
-        """The delivery masks of ``round_``; a pure function of (seed, round_)."""
+    def sample(self, round_: int, servers: torch.Tensor | None = None) -> LinkSample:
+        """The delivery masks of ``round_``; a pure function of (seed, round_, servers).
+
+        ``servers``: int [W], the worker serving each block (``Membership.servers``; None: worker j serves block
+        j). The masks are per block (``LinkSample``): the message of block j from worker i gets a draw of its
+        own, at the drop rate (and burst state) of the link it travels on, i -> servers[j] (phase 1) and
+        servers[j] -> i (phase 2). A successor's two blocks are two messages, lost independently; with the
+        default servers the draws are the same as without ``servers``.
+        """
         if self.segment_bytes:
-            return self._sample_segments(round_)
+            return self._sample_segments(round_, servers)
         u = self._uniform((2,) + self.drop.shape, round_)
-        drop = self.drop   # [W, W], for both slots of u
-        if self.burst_enter > 0.0:
-            drop = np.where(self._advance_chain(round_), self.burst_drop, drop)
-        delivered = (u >= drop) | self._eye
-        # down is indexed [server, worker], the sender first, like up.
+        drop, own = self._per_message(round_, servers)
+        delivered = (u >= drop) | own
+        # down is indexed [block (its server), worker], the sender first, like up.
         return LinkSample(round_, torch.from_numpy(delivered[0]), torch.from_numpy(delivered[1]))
 
-    def _sample_segments(self, round_: int) -> LinkSample:
+    def _per_message(self, round_: int, servers: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+        """(drop probability, never travels) of each message of the round's two slots: [2, W, W] (or [W, W] for
+        both) and [2, W, W] (or [W, W]), up's [sender, block] and down's [block, worker]."""
+        drop = self.drop   # [W, W], for both slots
+        bad = self._advance_chain(round_) if self.burst_enter > 0.0 else None
+        if servers is None:
+            own = self._eye
+        else:   # block j travels on its server's links
+            srv = np.asarray(servers, dtype=np.int64)
+            drop = np.stack([drop[:, srv], drop[srv, :]])
+            bad = None if bad is None else np.stack([bad[0][:, srv], bad[1][srv, :]])
+            own_up = own_parts(srv)
+            own = np.stack([own_up, own_up.T])
+        if bad is not None:
+            drop = np.where(bad, self.burst_drop, drop)
+        return drop, own
+
+    def _sample_segments(self, round_: int, servers: torch.Tensor | None) -> LinkSample:
         """Segment-level masks [W, W, S]: every segment of a link dropped on its own at the link's rate."""
         if self._padding is None:
             raise ValueError(f"network.segment_bytes = {self.segment_bytes} cuts each block into segments, so the "
                              "network model needs the message's size: NetworkModel(..., dim=D, itemsize=...)")
         num_segments = self._padding.shape[1]
         u = self._uniform((2,) + self.drop.shape + (num_segments,), round_)
-        drop = self.drop[..., None]
-        if self.burst_enter > 0.0:  # a link's state in a slot holds for every segment it sends then
-            drop = np.where(self._advance_chain(round_)[..., None], self.burst_drop, drop)
-        delivered = (u >= drop) | self._eye[..., None]
+        # A link's state in a slot holds for every segment it sends then.
+        drop, own = self._per_message(round_, servers)
+        delivered = (u >= drop[..., None]) | own[..., None]
         # Padding past block j's last segment: up is [sender, server j, k], down is [server j, worker, k].
         delivered[0] |= self._padding[None, :, :]
         delivered[1] |= self._padding[:, None, :]
@@ -215,9 +236,11 @@ class MaskLog:
         self.rounds = rounds
 
     def packed(self) -> dict[str, np.ndarray]:
-        """Arrays [rounds, S * ceil(W*W/8)] of uint8 and the segments' count and size: the layout of ``trace.npz``."""
+        """Arrays [rounds, S * ceil(W*W/8)] of uint8 and the segments' count and size: the layout of ``trace.npz``
+        (its masks per block, ``LinkSample``'s)."""
         return {"up": self._up[:self.rounds], "down": self._down[:self.rounds],
-                "num_segments": np.int64(self.num_segments), "segment_bytes": np.int64(self.segment_bytes)}
+                "num_segments": np.int64(self.num_segments), "segment_bytes": np.int64(self.segment_bytes),
+                "by_block": np.int64(1)}
 
 
 def _pack(mask: torch.Tensor) -> np.ndarray:
@@ -244,9 +267,14 @@ class TraceNetwork(NetworkModel):
     ``up`` and ``down`` are the packed rows of ``trace.npz`` ([R, S * ceil(W*W/8)], see MaskLog); S is read
     from their width. Segment masks (S > 1, or any S when ``cfg.segment_bytes`` > 0) replay as [W, W, S]
     with ``cfg.segment_bytes``, which must be the recorded run's (``load_trace`` checks it when asked).
+
+    ``by_block``: the masks are per block (``LinkSample``; every trace written since blocks became messages of
+    their own). A trace written before (False) holds per-link masks: the replay gives block j its server's
+    link, ``up[:, servers]`` and ``down[servers, :]``, as that run's exchanges read them, so it replays exactly.
     """
 
-    def __init__(self, cfg: NetworkConfig, num_workers: int, seed: int, up: np.ndarray, down: np.ndarray) -> None:
+    def __init__(self, cfg: NetworkConfig, num_workers: int, seed: int, up: np.ndarray, down: np.ndarray,
+                 by_block: bool = True) -> None:
         super().__init__(cfg, num_workers, seed)
         plane = (num_workers * num_workers + 7) // 8
         width = up.shape[1] if up.ndim == 2 else -1
@@ -258,6 +286,7 @@ class TraceNetwork(NetworkModel):
             raise ValueError(f"network.trace holds {self.num_segments} segments per block; set "
                              "network.segment_bytes to the recorded run's value to replay it")
         self._up, self._down = up, down
+        self.by_block = by_block
 
     @property
     def num_rounds(self) -> int:
@@ -268,21 +297,25 @@ class TraceNetwork(NetworkModel):
         """The packed up and down rows it replays, as read."""
         return self._up, self._down
 
-    def sample(self, round_: int) -> LinkSample:
+    def sample(self, round_: int, servers: torch.Tensor | None = None) -> LinkSample:
         if round_ >= self.num_rounds:
             raise IndexError(f"the replayed trace holds {self.num_rounds} rounds; round {round_} was asked for")
-        w = self.num_workers
-        # A worker's message to itself never travels: its diagonal is True whatever the file says (a rank
-        # that died before its peers agreed on it recorded nothing, and an average over no sender is 0 / 0).
-        if not self.segment_bytes:
-            unpack = lambda a: torch.from_numpy(  # noqa: E731
-                np.unpackbits(a[round_], count=w * w).astype(bool).reshape(w, w) | self._eye)
-            return LinkSample(round_, unpack(self._up), unpack(self._down))
-        return LinkSample(round_, self._unpack_segments(self._up[round_]), self._unpack_segments(self._down[round_]),
-                          self.segment_bytes)
+        # A server's own part never travels: it is True whatever the file says (a rank that died before its
+        # peers agreed on it recorded nothing, and an average over no sender is 0 / 0).
+        moved = servers is not None
+        if moved and not self.by_block:
+            srv = torch.as_tensor(servers)
+            up, down = self._unpack(self._up[round_], self._eye), self._unpack(self._down[round_], self._eye)
+            up, down = up[:, srv], down[srv, :]
+        else:
+            own = own_parts(np.asarray(servers)) if moved else self._eye
+            up, down = self._unpack(self._up[round_], own), self._unpack(self._down[round_], own.T)
+        return LinkSample(round_, up, down, self.segment_bytes if self.segment_bytes else 0)
 
-    def _unpack_segments(self, row: np.ndarray) -> torch.Tensor:
-        """One round's row of S packed planes as a bool [W, W, S] mask."""
+    def _unpack(self, row: np.ndarray, own: np.ndarray) -> torch.Tensor:
+        """One round's row of S packed planes as a bool [W, W] mask (or [W, W, S] with segments), ``own`` True."""
         w, s = self.num_workers, self.num_segments
-        planes = np.unpackbits(row.reshape(s, -1), axis=1, count=w * w).astype(bool).reshape(s, w, w) | self._eye
+        if not self.segment_bytes:
+            return torch.from_numpy(np.unpackbits(row, count=w * w).astype(bool).reshape(w, w) | own)
+        planes = np.unpackbits(row.reshape(s, -1), axis=1, count=w * w).astype(bool).reshape(s, w, w) | own
         return torch.from_numpy(np.ascontiguousarray(planes.transpose(1, 2, 0)))

@@ -293,12 +293,16 @@ def outer(opt: OuterSGD, inner: Exchange) -> Outer:
 
 @lru_cache(maxsize=64)
 def _block_link_bytes(dim: int, num_workers: int, itemsize: int, servers: tuple[int, ...] | None,
-                      live: tuple[bool, ...] | None, seg_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes on each link in the two phases: [W, W], or [W, W, S] per segment with ``seg_len`` > 0."""
+                      live: tuple[bool, ...] | None, seg_len: int = 0
+                      ) -> tuple[np.ndarray, np.ndarray, tuple[tuple[np.ndarray, np.ndarray], ...] | None]:
+    """Bytes of each message in the two phases, up's [worker i, block j] and down's [block j, worker i]: [W, W],
+    or [W, W, S] per segment with ``seg_len`` > 0; and the links they travel on where servers moved (up's
+    and down's ``PhaseTraffic.route``; None: block j's server is j, and a message's index is its link)."""
     if seg_len:
         sizes = segment_values(block_sizes(dim, num_workers), seg_len) * itemsize   # [block, segment]
     else:
         sizes = np.asarray(block_sizes(dim, num_workers), dtype=np.float64) * itemsize
+    routes = None
     if servers is None and live is None:
         off_diagonal = ~np.eye(num_workers, dtype=bool)
         if seg_len:
@@ -309,13 +313,17 @@ def _block_link_bytes(dim: int, num_workers: int, itemsize: int, servers: tuple[
         srv = np.asarray(servers if servers is not None else range(num_workers))
         alive = np.asarray(live if live is not None else [True] * num_workers)
         # [worker i, block j]: i sends block j to its server (and gets it back) if i lives and is not the server.
-        # A server of two blocks gets both on one link: segment k of each shares that link's segment-k mask.
+        # Each block is a message of its own: a server of two blocks gets two messages on one link.
         carries = alive[:, None] & (np.arange(num_workers)[:, None] != srv[None, :])
-        up = np.zeros((num_workers, num_workers) + sizes.shape[1:])
-        np.add.at(up, (np.nonzero(carries)[0], srv[np.nonzero(carries)[1]]), sizes[np.nonzero(carries)[1]])
+        if seg_len:
+            carries = carries[..., None]
+        up = np.where(carries, sizes[None], 0.0)
         down = np.swapaxes(up, 0, 1).copy()
+        workers = np.broadcast_to(np.arange(num_workers)[:, None], (num_workers, num_workers))
+        to_server = np.broadcast_to(srv[None, :], (num_workers, num_workers))
+        routes = ((workers, to_server), (to_server.T, workers.T))
     up.flags.writeable = down.flags.writeable = False
-    return up, down
+    return up, down, routes
 
 
 def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSample,
@@ -325,14 +333,17 @@ def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSa
     A reliable all-reduce (reduce-scatter then all-gather) moves the same blocks as
     RPS's two phases: (W-1)/W of the vector out of and into each worker per phase.
     With segment masks ([W, W, S], ``links.segment_bytes`` > 0) the traffic is per segment:
-    each segment is a message, and its bytes are the values it really holds.
+    each segment is a message, and its bytes are the values it really holds. Each block is a message of its
+    own (the masks are per block): with a dead worker's block moved, its successor's links carry two.
     """
     some_dead = members is not None and not members.all_live
     servers = tuple(members.servers.tolist()) if some_dead else None
     live = tuple(members.live.tolist()) if some_dead else None
     seg_len = segment_length(links.segment_bytes, params.element_size())
-    up, down = _block_link_bytes(params.shape[-1], num_workers, params.element_size(), servers, live, seg_len)
-    return PhaseTraffic(up, links.up, reliable), PhaseTraffic(down, links.down, reliable)
+    up, down, routes = _block_link_bytes(params.shape[-1], num_workers, params.element_size(), servers, live,
+                                         seg_len)
+    up_route, down_route = routes if routes is not None else (None, None)
+    return (PhaseTraffic(up, links.up, reliable, up_route), PhaseTraffic(down, links.down, reliable, down_route))
 
 
 @lru_cache(maxsize=64)

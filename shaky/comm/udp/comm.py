@@ -27,7 +27,8 @@ import torch.distributed as dist
 from shaky.comm.base import Handle, MeanHandle
 from shaky.comm.gloo import JoinStore, broadcast_object, rendezvous_store
 from shaky.comm.udp.control import ControlPlane, GlooControl, QuorumControl
-from shaky.comm.udp.exchange import AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, python_path_warning
+from shaky.comm.udp.exchange import (AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, python_path_warning,
+                                     run_masks)
 from shaky.config import DistConfig
 from shaky.geometry import LinkSample, block_sizes
 from shaky.membership.heartbeat import Heartbeat
@@ -340,10 +341,16 @@ class UdpDistComm:
             self._adaptive.observe_stats(stats)
             return self._adaptive.propose()
 
-    def mask_record(self, result: tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExchangeStats]) -> torch.Tensor:
-        """This rank's part of an exchange's masks round: what reached it ([W, S] each), and its deadline
-        proposal for the next exchange (uint8)."""
+    def mask_record(self, result: tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExchangeStats],
+                    servers: torch.Tensor | None) -> torch.Tensor:
+        """This rank's part of an exchange's masks round: what reached it (``up_obs`` [W, B, S], padded with True
+        to the most blocks a rank serves, so that every rank's record is of one size; ``down_obs`` [W, S]), and
+        its deadline proposal for the next exchange (uint8)."""
         _, up_obs, down_obs, stats = result
+        w, served, nseg = up_obs.shape
+        most = _most_served(servers, self.num_workers)
+        if served < most:
+            up_obs = torch.cat([up_obs, torch.ones(w, most - served, nseg, dtype=torch.bool)], dim=1)
         return torch.cat([up_obs.reshape(-1).to(torch.uint8), down_obs.reshape(-1).to(torch.uint8),
                           torch.frombuffer(bytearray(struct.pack("<d", self._propose(stats))), dtype=torch.uint8)])
 
@@ -352,7 +359,7 @@ class UdpDistComm:
                servers: torch.Tensor | None) -> torch.Tensor:
         """Counts an exchange, and makes every rank's masks (``parts``, :meth:`mask_record`) the run's; ``gone``:
         the ranks that left no record (dead), whose blocks every rank keeps its own values of."""
-        new, up_obs, _, stats = result
+        new, _, _, stats = result
         self.last_stats = stats
         t = self._totals
         t["sent"] += stats.sent
@@ -363,7 +370,7 @@ class UdpDistComm:
         t["closed_by_deadline"] += sum(c == "deadline" for c in stats.closed_by)
         t["repeated"] += stats.repeated
         t["grace_s"] += stats.grace_s
-        self._observed = self._masks_from(parts, up_obs.shape, step, gone)
+        self._observed = self._masks_from(parts, servers, step, gone)
         self._completed.append((step, self._observed))
         if gone:
             w = self.num_workers
@@ -375,21 +382,22 @@ class UdpDistComm:
                     new[start:start + sizes[j]] = row[start:start + sizes[j]]
         return new[None]
 
-    def _masks_from(self, parts: list[torch.Tensor], shape: torch.Size, step: int,
+    def _masks_from(self, parts: list[torch.Tensor], servers: torch.Tensor | None, step: int,
                     gone: tuple[int, ...]) -> LinkSample:
-        """Every rank's observed masks (:meth:`mask_record`, ``shape`` [W, S] each) as the run's [W, W, S]
-        masks, and the agreed deadline of the next round (the largest proposal). ``gone``: the ranks that left no
-        record (dead): nothing reached them, and what they served counts as lost."""
-        w, nseg = shape
-        every = torch.stack(parts)                                  # [rank, 2 W S + 8]
-        n = w * nseg
-        # Rank r's up_obs[i, k] is up[sender i, server r, k]; its down_obs[s, k] is down[server s, worker r, k].
-        up = every[:, :n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
-        down = every[:, n:2 * n].view(w, w, nseg).transpose(0, 1).bool().contiguous()
-        self._deadline_s = max(struct.unpack("<d", bytes(p[2 * n:].tolist()))[0] for p in parts if p[2 * n:].any())
-        for r in gone:
-            down[r] = False
-            down[r, r] = True
+        """Every rank's observed masks (:meth:`mask_record`) as the run's per-block [W, W, S] masks
+        (:func:`~shaky.comm.udp.exchange.run_masks`), and the agreed deadline of the next round (the largest
+        proposal). ``gone``: the ranks that left no record (dead): nothing reached them, and what they served
+        counts as lost."""
+        w = self.num_workers
+        srv = servers.tolist() if servers is not None else list(range(w))
+        most = _most_served(servers, w)
+        every = torch.stack(parts)                                  # [rank, W c S + W S + 8]
+        nseg = (every.shape[1] - 8) // (w * (most + 1))
+        n_up, n = w * most * nseg, w * (most + 1) * nseg
+        ups = every[:, :n_up].view(w, w, most, nseg).bool()
+        downs = every[:, n_up:n].view(w, w, nseg).bool()
+        self._deadline_s = max(struct.unpack("<d", bytes(p[n:].tolist()))[0] for p in parts if p[n:].any())
+        up, down = run_masks(list(ups), list(downs), srv, gone)
         return LinkSample(step, up, down, self.segment_bytes)
 
     # ------------------------------------------------------------------ on the control plane
@@ -433,6 +441,14 @@ class UdpDistComm:
         expected = out["datagrams_expected"]
         out["observed_loss"] = 1 - out["datagrams_received"] / expected if expected else 0.0
         return {**out, **self.control.stats(before)}
+
+
+def _most_served(servers: torch.Tensor | None, num_workers: int) -> int:
+    """The most blocks one rank serves (1 with the default servers; 2 for a dead rank's successor): the columns
+    of every rank's ``up_obs`` in its masks record."""
+    if servers is None:
+        return 1
+    return int(torch.bincount(servers.to(torch.int64), minlength=num_workers).max())
 
 
 class Wiring(NamedTuple):

@@ -100,7 +100,7 @@ class GlooControl:
         t0 = time.perf_counter()
         result = future.result()
         comm.wait_s += time.perf_counter() - t0
-        parts = self.all_gather(comm.mask_record(result), fill=None)
+        parts = self.all_gather(comm.mask_record(result, servers), fill=None)
         return comm.finish(result, parts, (), step, row, servers)
 
     def all_gather(self, x: torch.Tensor, *, fill: float | Callable[[int], torch.Tensor] | None
@@ -346,13 +346,13 @@ class QuorumControl:
                   servers: torch.Tensor | None) -> Handle:
         # The masks' round runs in the lane's control thread as soon as the exchange is done: a delayed
         # exchange's wait then finds it taken care of too.
-        rnd = self._submit(lambda: self._exchanged(future), thread=lane)
+        rnd = self._submit(lambda: self._exchanged(future, servers), thread=lane)
         return _InFlight(rnd, lambda done: self._completed_round(done, step, row, servers))
 
-    def _exchanged(self, future: Future) -> tuple[bytes, Any]:
+    def _exchanged(self, future: Future, servers: torch.Tensor | None) -> tuple[bytes, Any]:
         """In a control thread: the exchange's result, and this rank's part of its masks' round."""
         result = future.result()
-        return self._comm.mask_record(result).numpy().tobytes(), result
+        return self._comm.mask_record(result, servers).numpy().tobytes(), result
 
     def _completed_round(self, rnd: _ControlRound, step: int, row: torch.Tensor,
                          servers: torch.Tensor | None) -> torch.Tensor:
@@ -364,10 +364,9 @@ class QuorumControl:
         t0 = time.perf_counter()
         taken = self._take(rnd)
         comm.wait_s += time.perf_counter() - t0
-        _, up_obs, _, _ = taken.extra
-        w, nseg = up_obs.shape
+        size = len(taken.parts[comm.rank])
         parts = [torch.frombuffer(bytearray(taken.parts[r]), dtype=torch.uint8) if r in taken.live else
-                 _nothing_arrived(r, w, nseg) for r in range(comm.num_workers)]
+                 _nothing_arrived(size) for r in range(comm.num_workers)]
         gone = tuple(r for r in range(comm.num_workers) if r not in taken.live)
         return comm.finish(taken.extra, parts, gone, step, row, servers)
 
@@ -516,11 +515,10 @@ class QuorumControl:
                 "store_rto_min_ms": self._quorum.store_rto_min_ms}     # this rank's (None: the kernel's 200 ms)
 
 
-def _nothing_arrived(rank: int, w: int, nseg: int) -> torch.Tensor:
-    """A dead rank's part of a masks round: only its own links, and no proposal."""
-    own = torch.zeros(2, w, nseg, dtype=torch.uint8)
-    own[:, rank] = 1
-    return torch.cat([own.reshape(-1), torch.zeros(8, dtype=torch.uint8)])
+def _nothing_arrived(size: int) -> torch.Tensor:
+    """A dead rank's part of a masks round (``size`` bytes, as every rank's): nothing reached it (its own parts
+    never travel: ``run_masks`` makes them True), and no proposal."""
+    return torch.zeros(size, dtype=torch.uint8)
 
 
 def _from_bytes(data: bytes, like: torch.Tensor) -> torch.Tensor:

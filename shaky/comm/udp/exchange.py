@@ -21,15 +21,18 @@ probability p^2 instead of p. A repeat whose original arrived is dropped without
 reported as masks, which are the segment-level delivery masks of the simulator
 (``LinkSample``) for this rank's links:
 
-- ``up_obs`` bool [W, S]: ``up_obs[i, k]`` = sender i's segment k reached this rank in phase 1, i.e. the
-  column ``up[:, rank, :]`` of the run's [W, W, S] mask (sender, server, segment). Its own row is True.
-- ``down_obs`` bool [W, S]: ``down_obs[s, k]`` = server s's average of segment k reached this rank in
-  phase 2, i.e. ``down[:, rank, :]`` of the [W, W, S] mask (server, worker, segment). Its own row is True.
+- ``up_obs`` bool [W, B, S], B the blocks this rank serves (in block order; 1 with the default servers):
+  ``up_obs[i, t, k]`` = sender i's segment k of the t-th of them reached this rank in phase 1, i.e. that
+  block's column ``up[:, j, :]`` of the run's [W, W, S] mask (sender, block, segment). Its own row is True.
+- ``down_obs`` bool [W, S]: ``down_obs[j, k]`` = the average of block j's segment k reached this rank in
+  phase 2, i.e. ``down[:, rank, :]`` of the [W, W, S] mask (block, worker, segment). The rows of the blocks
+  it serves are True.
 
-S = max(1, max_j S_j); padding entries (k >= S_j) are True, and so are the rows of ranks that serve no
-block. The masks are per link, as the simulator's are (it indexes them with ``up[:, servers]``): when
-one rank serves several blocks, segment k counts on a link only if it arrived for every block that link
-carried. With the default servers (rank j serves block j) the link and the block are the same thing.
+S = max(1, max_j S_j); padding entries (k >= S_j) are True. The masks are per block, as the simulator's are
+(``LinkSample``): each block is a message of its own, so a rank that serves two (a dead rank's successor)
+averages each over the senders whose segments of that block arrived, and a rank takes each block's average
+where it arrived. With the default servers (rank j serves block j) the link and the block are the same thing.
+:func:`run_masks` puts every rank's observations together.
 
 The datagrams, and which of them are used, are described in :mod:`shaky.comm.udp.wire`.
 
@@ -77,7 +80,7 @@ from shaky.comm.udp.sockets import (_CMSG_SPACE, _MSG_TRUNC, _RECV_BUFFER, _SO_R
                                     bind_first_free)
 from shaky.comm.udp.wire import (DTYPE_CODES, FINAL_DATAGRAMS, FLAG_FINAL, FLAG_REPEAT, HEADER, KEY_BYTES, MAGIC,
                                  OVERHEAD_BYTES, PHASES, TAG_BYTES, VERSION, _Mac, _Packed)
-from shaky.geometry import block_sizes, segment_counts, segment_length
+from shaky.geometry import block_sizes, own_parts, segment_counts, segment_length
 from shaky.native import FASTPATH
 
 
@@ -397,8 +400,8 @@ class UdpExchange:
             out: where to write the result (1-D like ``row``, not overlapping it); None: a new tensor.
 
         Returns:
-            (new_row, up_obs, down_obs, stats): the averaged row; the masks bool [W, S] described in the
-            module docstring; the counters.
+            (new_row, up_obs, down_obs, stats): the averaged row; the masks, bool [W, B, S] and [W, S],
+            described in the module docstring; the counters.
         """
         if self._peers is None:
             raise RuntimeError("UdpExchange.connect(peers) must be called before block_average")
@@ -438,11 +441,13 @@ class UdpExchange:
 
         # Between the phases: my averages, and their datagrams (one set for every rank).
         up_obs = state.up_mask()
-        mine = [j for j in range(W) if srv[j] == me and state.nseg[j] > 0]
+        mine = [j for j in range(W) if srv[j] == me]
         jobs2 = []
-        for j in mine:
+        for t, j in enumerate(mine):
+            if not state.nseg[j]:
+                continue
             avg = res[state.starts[j]:state.starts[j] + state.sizes[j]]
-            state.average(j, up_obs, avg)
+            state.average(j, up_obs[:, t], avg)
             arr = self._pack(("p2", j), 2, j, state, avg)
             jobs2.extend((r, j, arr) for r in _rotation(me, W) if w is None or w[r] != 0)
         t2 = time.perf_counter()
@@ -993,26 +998,29 @@ class _Round:
         return None
 
     def up_mask(self) -> np.ndarray:
-        """[W senders, S]: segment k from sender i arrived for every block this rank serves."""
-        up = np.ones((self.W, self.S), bool)
-        for j in self.served:
-            up[:, :self.nseg[j]] &= self.got1[j]
+        """[W senders, blocks this rank serves (in block order), S]: sender i's segment k of that block arrived
+        (its own always: it never travels; padding True)."""
+        mine = [j for j in range(self.W) if self.srv[j] == self.me]
+        up = np.ones((self.W, len(mine), self.S), bool)
+        for t, j in enumerate(mine):
+            if self.nseg[j]:
+                up[:, t, :self.nseg[j]] = self.got1[j]
         up[self.me] = True
         return up
 
     def down_mask(self) -> np.ndarray:
-        """[W servers, S]: server s's average of segment k arrived for every block s serves."""
+        """[W blocks, S]: the average of block j's segment k reached this rank (True for the blocks it serves, and
+        padding)."""
         down = np.ones((self.W, self.S), bool)
         for j in range(self.W):
-            s = self.srv[j]
-            if s != self.me and self.nseg[j]:
-                down[s, :self.nseg[j]] &= self.got2[j, :self.nseg[j]]
+            if self.srv[j] != self.me and self.nseg[j]:
+                down[j, :self.nseg[j]] = self.got2[j, :self.nseg[j]]
         return down
 
     def average(self, j: int, up: np.ndarray, out: np.ndarray) -> None:
-        """Block j's average per segment over the senders whose segment arrived (weighted), into ``out``
-        (:func:`shaky.comm.rps.server_average`; a segment that arrived from no sender of nonzero weight is NaN,
-        as the simulator gives)."""
+        """Block j's average per segment over the senders whose segment of it arrived (``up``, [W senders, S]:
+        block j's column of :meth:`up_mask`; weighted), into ``out`` (:func:`shaky.comm.rps.server_average`; a
+        segment that arrived from no sender of nonzero weight is NaN, as the simulator gives)."""
         nseg, n = self.nseg[j], self.sizes[j]
         vals = self.recv[j].view(self.x.dtype)          # [W, nseg * seg]
         vals[self.me, :n] = self.x[self.starts[j]:self.starts[j] + n]
@@ -1033,13 +1041,39 @@ class _Round:
         (:func:`shaky.comm.rps.keep_own_where_lost`: the averages arrived in place, in ``res``)."""
         lost = ~down
         for j in range(self.W):
-            s = self.srv[j]
-            if s == self.me or not self.nseg[j] or not lost[s, :self.nseg[j]].any():
+            if self.srv[j] == self.me or not self.nseg[j] or not lost[j, :self.nseg[j]].any():
                 continue
             a, n = self.starts[j], self.sizes[j]
             rps.keep_own_where_lost(None, torch.from_numpy(self.x[a:a + n]).view(1, 1, n),
-                                    torch.from_numpy(lost[s, :self.nseg[j]]).view(1, 1, -1), self.seg,
+                                    torch.from_numpy(lost[j, :self.nseg[j]]).view(1, 1, -1), self.seg,
                                     out=torch.from_numpy(self.res[a:a + n]).view(1, 1, n))
+
+
+def run_masks(ups: Sequence[torch.Tensor], downs: Sequence[torch.Tensor], servers: Sequence[int],
+              gone: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's observations of one exchange (its ``up_obs`` and ``down_obs``, by rank) as the run's masks,
+    ``LinkSample``'s per-block [W, W, S] ``up`` and ``down``, which the simulator replays exactly.
+
+    ``ups[r]`` [W, c, S] holds the columns of the blocks rank r serves, in block order (c at least their number:
+    a record may be padded to the most blocks any rank serves, so that every rank's is of one size). ``gone``: ranks
+    that left no observations (dead before they were gathered: theirs are stand-ins): nothing of what they
+    served went out, so every rank keeps its own values of those blocks, and the masks say so.
+    """
+    w = len(servers)
+    srv = torch.as_tensor(list(servers), dtype=torch.int64)
+    column = torch.zeros(w, dtype=torch.int64)   # block j is the column-th block its server serves
+    for j in range(w):
+        column[j] = int((srv[:j] == srv[j]).sum())
+    most = max(1, *(u.shape[1] for u in ups))
+    every_up = torch.stack([u if u.shape[1] == most else                 # [rank, sender, c, S]
+                            torch.cat([u, u.new_ones(u.shape[0], most - u.shape[1], u.shape[2])], dim=1) for u in ups])
+    up = every_up[srv, :, column].transpose(0, 1).contiguous()          # [sender, block, S]
+    down = torch.stack(list(downs)).transpose(0, 1).contiguous()        # [block, worker, S]
+    own = torch.from_numpy(own_parts(srv.tolist()))[..., None]
+    for j in range(w):
+        if int(srv[j]) in gone:
+            down[j] = False
+    return up | own, down | own.transpose(0, 1)
 
 
 class _Progress:
