@@ -14,6 +14,7 @@ from torch import nn
 
 from shaky.config import RunConfig, config_from_dict, to_dict
 from shaky.errors import BadInput, Stop
+from shaky.inject import FaultInjector
 from shaky.job import checks
 from shaky.job.env import JobEnv
 from shaky.rundir import BadCheckpoint, read_summary
@@ -25,7 +26,8 @@ __all__ = ["simulate"]
 
 
 def simulate(model: nn.Module, train_data: Any, test_data: Any, config: RunConfig | dict[str, Any] | None = None,
-             *, out: str | Path | None = None, resume: bool = False, progress: bool = True) -> dict[str, Any] | None:
+             *, out: str | Path | None = None, resume: bool = False, progress: bool = True,
+             faults: FaultInjector | None = None) -> dict[str, Any] | None:
     """Trains ``model`` on ``train_data`` with every worker, strategy and network ``config`` says, and evaluates
     it on ``test_data``, writing the usual run directory; returns the run's summary (summary.json).
 
@@ -50,6 +52,7 @@ def simulate(model: nn.Module, train_data: Any, test_data: Any, config: RunConfi
         resume: Go on with the run in ``out`` from its checkpoint, with its saved config (``config`` must be
             None); ``model`` must be the one it started from (its digest), the data the same (its digest).
         progress: A progress bar and, at the end on the dist backend, rank 0's summary on stdout.
+        faults: Deterministic faults (:mod:`shaky.inject`; tests stop a run with them to resume it).
 
     Returns:
         The summary (None on a dist rank other than 0, which writes nothing).
@@ -70,7 +73,7 @@ def simulate(model: nn.Module, train_data: Any, test_data: Any, config: RunConfi
             return _dist(env, setup, run_dir, progress)
         checks.claim_run_dir(run_dir, resume=resume)
         setup.machines = {0: checks.read_here(setup, run_dir, resume=resume)}
-        return train(setup, run_dir, resume=resume, label=cfg.strategy.name, progress=progress)
+        return train(setup, run_dir, resume=resume, label=cfg.strategy.name, progress=progress, faults=faults)
     except (BadInput, BadCheckpoint) as exc:
         raise ValueError(str(exc)) from None
 
