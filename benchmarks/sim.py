@@ -34,7 +34,8 @@ is the growth of the peak resident set of a fresh process while it runs two
 rounds of (a): ``VmHWM`` from /proc/self/status (the peak-RSS mark, reset just
 before the rounds through /proc/self/clear_refs) minus ``VmRSS`` just before.
 Inputs are random tensors of the datasets' shapes: timing does not depend on
-the values (``--models lstm``: random token ids, right-padded to 32).
+the values (``--models lstm``: random token ids, right-padded to 32; ``--models gpt``: random bytes, a target
+byte at every position, the model's mean next-token loss).
 """
 
 from __future__ import annotations
@@ -88,9 +89,12 @@ CASES: dict[str, tuple[str, tuple[int, ...], str]] = {
     "resnet20": ("resnet20", (3, 32, 32), "CIFAR 3x32x32"),
     "resnet110": ("resnet110", (3, 32, 32), "CIFAR 3x32x32"),
     "lstm": ("lstm", (32,), "text, 32 token ids, 2 to 32 real"),
+    "gpt": ("gpt", (32,), "bytes, 32-byte context, next-byte targets"),
 }
 VOCAB = 1000
 """The lstm case's vocabulary (its token ids are drawn from 1 to VOCAB - 1; 0 pads)."""
+BYTES = 256
+"""The gpt case's vocabulary: bytes, as the bytes data set's."""
 CUDA_PLAN: dict[str, tuple[int, ...]] = {"mlp": (16, 64, 256), "cnn": (16, 64, 256), "resnet20": (16, 64),
                                          "resnet110": (16,)}
 """--device cuda's default cases: each model at these W."""
@@ -113,9 +117,14 @@ def _setup(case: str, workers: int, batch: int, seed: int = 0, channels_last: bo
     weights and inputs) in channels-last memory format, the layout oneDNN runs fastest, for the baselines b, c
     and d."""
     name, shape, _ = CASES[case]
-    model = build_model(name, input_shape=shape, num_classes=NUM_CLASSES, vocab_size=VOCAB, seed=seed).to(DEVICE)
+    classes, vocab = (BYTES, BYTES) if name == "gpt" else (NUM_CLASSES, VOCAB)
+    model = build_model(name, input_shape=shape, num_classes=classes, vocab_size=vocab, seed=seed).to(DEVICE)
     flat = FlatParams(model)
     gen = torch.Generator().manual_seed(seed)
+    if name == "gpt":    # a window of bytes and the next byte at every position
+        x = torch.randint(0, BYTES, (workers, batch, *shape), generator=gen).to(DEVICE)
+        y = torch.randint(0, BYTES, (workers, batch, *shape), generator=gen).to(DEVICE)
+        return {"model": model, "flat": flat, "x": x, "y": y, "mask": torch.ones(workers, batch, device=DEVICE)}
     if name == "lstm":   # right-padded sentences of 2 to L tokens
         ids = torch.randint(1, VOCAB, (workers, batch, *shape), generator=gen)
         lengths = torch.randint(2, shape[0] + 1, (workers, batch, 1), generator=gen)
@@ -174,6 +183,11 @@ class SimRound:
         self.step_s.append(marks[2] - marks[1] if marks else float("nan"))
 
 
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of a batch: per sample, or (gpt) per token of ``[N, T, V]`` against ``[N, T]``."""
+    return F.cross_entropy(logits.flatten(0, -2), y.reshape(-1))
+
+
 class LoopRound:
     """(b): W separate model copies and optimizers in a Python loop, then a parameter average."""
 
@@ -186,7 +200,7 @@ class LoopRound:
     def __call__(self) -> None:
         for i, (m, opt) in enumerate(zip(self.models, self.opts)):
             opt.zero_grad()
-            F.cross_entropy(m(self.x[i]), self.y[i]).backward()
+            _loss(m(self.x[i]), self.y[i]).backward()
             opt.step()
         with torch.no_grad():
             for group in zip(*self.params):
@@ -202,11 +216,11 @@ class LimitRound:
         self.model = copy.deepcopy(s["model"])
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
         self.x = s["x"].reshape(-1, *s["x"].shape[2:])
-        self.y = s["y"].reshape(-1)
+        self.y = s["y"].reshape(-1, *s["y"].shape[2:])
 
     def __call__(self) -> None:
         self.opt.zero_grad()
-        F.cross_entropy(self.model(self.x), self.y).backward()
+        _loss(self.model(self.x), self.y).backward()
         self.opt.step()
 
 
@@ -393,7 +407,7 @@ def _gloo_worker(rank: int, world: int, port: int, cases: list[str], batch: int,
                 dist.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
+                _loss(model(x), y).backward()
                 opt.step()
                 vec = flat.flatten(model)
                 dist.all_reduce(vec)
@@ -492,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="mlp, cnn1d and cnn at W = 4 and 16 only, with shorter timing budgets")
     parser.add_argument("--models", nargs="+", choices=list(CASES), default=None,
-                        help="default: mlp cnn cnn1d resnet20 (on a GPU: mlp cnn resnet20 resnet110); lstm only "
-                             "when named")
+                        help="default: mlp cnn cnn1d resnet20 (on a GPU: mlp cnn resnet20 resnet110); lstm and gpt "
+                             "only when named")
     parser.add_argument("--workers", nargs="+", type=int, default=None)
     parser.add_argument("--batch", type=int, default=32, help="samples per worker")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for a/b/c (0: torch's default)")

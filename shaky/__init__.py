@@ -1,9 +1,10 @@
 """shaky: distributed training over bad networks.
 
-The public API: build a config, prepare and train a run in the simulator, run a
-sweep and report on it, compose a strategy from stages, or average your own model
-across torch.distributed ranks with ``RPSAverager`` / ``ModelAverager`` (DiLoCo
-with ``outer_optimizer=OuterSGD(...)``).
+The public API: train your own model on your own data with ``simulate``; build a
+config, prepare and train a run in the simulator, run a sweep and report on it,
+compose a strategy from stages, or average your own model across
+torch.distributed ranks with ``RPSAverager`` / ``ModelAverager`` (DiLoCo with
+``outer_optimizer=OuterSGD(...)``).
 
 Importing shaky changes nothing in the process (no environment variable, thread
 count or allocator setting; the command line makes those), and loads torch only
@@ -31,7 +32,7 @@ _EXPORTS = {
     "delayed": "shaky.strategies", "every": "shaky.strategies", "outer": "shaky.strategies",
     "lossy_block_average": "shaky.strategies", "reliable_mean": "shaky.strategies",
     "load_sweep": "shaky.sweep", "run_sweeps": "shaky.sweep",
-    "prepare": "shaky.setup", "read_metrics": "shaky.rundir", "train": "shaky.train",
+    "prepare": "shaky.setup", "read_metrics": "shaky.rundir", "train": "shaky.train", "simulate": "shaky.api",
     "write_report": "shaky.report",
 }
 

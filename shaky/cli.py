@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 # (no torch in shaky.config: process_settings must come before torch loads)
-from shaky.config import MACHINE_SETTINGS, MAX_SCALE_PERIOD
+from shaky.config import MACHINE_SETTINGS, MAX_SCALE_PERIOD, short_name
 from shaky.errors import AloneBadInput, BadInput, Stop
 from shaky.interrupt import Stopped, exiting, raising
 from shaky.job.env import JobEnv
@@ -47,13 +47,14 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "drop_rate": ("network.drop_rate", float,
                   "probability that a message is lost, in [0, 1) (default 0, or the preset's)"),
     "preset": ("network.preset", str, "network preset: lan, lossy or geo4 (none by default: lan's values)"),
-    "dataset": ("data.dataset", str,
-                "digits, iris, wine, breast_cancer, mnist1d, cifar10 or text (default digits)"),
-    "data_path": ("data.path", str,
-                  "cifar10: a directory in CIFAR-10's python batch format; text: a file of label<TAB>text lines"),
+    "dataset": ("data.dataset", str, "digits, iris, wine, breast_cancer, mnist1d, cifar10, text or bytes (or a "
+                "factory: package.module:factory or path/to/file.py:factory; default digits)"),
+    "data_path": ("data.path", str, "cifar10: a directory in CIFAR-10's python batch format; text: a file of "
+                  "label<TAB>text lines; bytes: any file, its bytes predicted one by one"),
     "partition": ("data.partition", str, "iid, dirichlet or label-skew (default iid)"),
-    "model": ("model.name", str,
-              "logreg, mlp, cnn, resnet20, resnet32, resnet44, resnet56, resnet110 or lstm (default mlp)"),
+    "model": ("model.name", str, "logreg, mlp, cnn, resnet20, resnet32, resnet44, resnet56, resnet110, lstm or gpt "
+              "(or a factory, called with input_shape and num_classes: module:factory or file.py:factory; "
+              "default mlp)"),
     "steps": ("steps", int, "training steps (default 600)"),
     "batch_size": ("batch_size", int, "mini-batch size per worker (default 32)"),
     "lr": ("optim.lr", float, "peak learning rate of every worker's optimizer (default 0.1)"),
@@ -228,7 +229,7 @@ def _config_values(args: argparse.Namespace) -> dict[str, Any]:
 def _default_out(cfg: Any) -> Path:
     drop = cfg.network.drop_rate
     drop_text = f"drop{drop:g}" if isinstance(drop, float) else "dropmatrix"
-    return Path("runs") / (f"{cfg.data.dataset}-{cfg.model.name}-{cfg.strategy.name}-"
+    return Path("runs") / (f"{short_name(cfg.data.dataset)}-{short_name(cfg.model.name)}-{cfg.strategy.name}-"
                            f"w{cfg.num_workers}-{drop_text}-seed{cfg.seed}")
 
 

@@ -60,18 +60,55 @@ MAX_LEN = 4096
 def models_for(dataset: str) -> tuple[str, ...]:
     """The models that can read ``dataset``'s samples (``RunConfig`` refuses the others before any work).
 
-    Text samples are token ids, which only the lstm embeds; every other data set holds features, which
-    logreg, mlp and cnn read in any shape, and a ResNet only as images: (C, H, W), or a square number of
-    features (digits is 8 x 8, iris 2 x 2).
+    Text samples are token ids, which only the lstm embeds; bytes are sequences of next-byte targets, which only
+    gpt predicts; every other data set holds features, which logreg, mlp and cnn read in any shape, and a ResNet
+    only as images: (C, H, W), or a square number of features (digits is 8 x 8, iris 2 x 2). A data set made by a
+    factory is known only once loaded: every model may try it (``shaky.user.check_model`` checks its output).
     """
     from shaky.data import SAMPLE_SHAPES  # noqa: PLC0415 (data imports torch; keep config light)
     from shaky.models import MODELS  # noqa: PLC0415
 
+    if _is_factory(dataset):
+        return MODELS
+    if dataset == "bytes":
+        return ("gpt",)
     shape = SAMPLE_SHAPES.get(dataset)
     if shape is None:  # token ids
         return ("lstm",)
     images = len(shape) == 3 or math.isqrt(math.prod(shape)) ** 2 == math.prod(shape)
-    return tuple(m for m in MODELS if m != "lstm" and (images or not m.startswith("resnet")))
+    return tuple(m for m in MODELS if m not in ("lstm", "gpt") and (images or not m.startswith("resnet")))
+
+
+_FACTORY = "or a factory (package.module:factory, path/to/file.py:factory)"
+"""How a refusal of an unknown model or data set name ends its list of choices."""
+
+
+def _is_factory(name: str) -> bool:
+    """A model or data set given by a factory (``module:factory``, ``file.py:factory``) or as a Python object."""
+    return ":" in name
+
+
+def short_name(name: str) -> str:
+    """A model's or data set's name as a run directory's name shows it: a factory's or an object's last name."""
+    return name.rsplit(":", 1)[-1].rsplit(".", 1)[-1] if _is_factory(name) else name
+
+
+def _resolve_factory(section: Any, setting: str) -> None:
+    """A factory's name checked (its file's path made absolute) and its file's SHA-256 recorded in the section's
+    ``sha256``, which must match the file where it is already set (a resume, a sweep's run): one line where the
+    file changed. A built-in name takes no sha256."""
+    from shaky import user  # noqa: PLC0415 (no torch)
+
+    name = getattr(section, setting.split(".")[1])
+    if not _is_factory(name):
+        if section.sha256:
+            raise ValueError(f"{setting.split('.')[0]}.sha256 applies to a factory (module:factory or "
+                             f"file.py:factory), not the built-in {name!r} (got {section.sha256!r})")
+        return
+    name = user.resolve(setting, name)
+    object.__setattr__(section, setting.split(".")[1], name)
+    if not user.is_object(name):
+        object.__setattr__(section, "sha256", user.check_digest(setting, name, section.sha256))
 
 
 def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False,
@@ -109,9 +146,10 @@ MAX_SCALE_PERIOD = 1000
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     dataset: str = "digits"
-    """digits, iris, wine, breast_cancer, mnist1d, cifar10 (needs path) or text (needs path)."""
+    """digits, iris, wine, breast_cancer, mnist1d, cifar10 (needs path), text (needs path), bytes (needs path), or
+    a factory: ``package.module:factory`` or ``path/to/file.py:factory`` (see ``shaky.user``)."""
     path: str = ""
-    """CIFAR-10 python-batch directory, or a ``label<TAB>text`` file for ``text``."""
+    """CIFAR-10 python-batch directory, a ``label<TAB>text`` file for ``text``, or any file for ``bytes``."""
     partition: str = "iid"
     """How training samples are cut into one chunk per worker: iid, dirichlet, or label-skew (sorted by label)."""
     dirichlet_alpha: float = 0.5
@@ -119,12 +157,16 @@ class DataConfig:
     test_fraction: float = 0.2
     """Fraction held out for testing (ignored by cifar10, which ships a test split)."""
     max_len: int = 32
-    """Tokens per sentence for the text data set (truncated or padded)."""
+    """Tokens per sentence for the text data set (truncated or padded); bytes: the context, bytes per sample."""
+    sha256: str = ""
+    """A factory's file's SHA-256, recorded when the run is configured (a resume or sweep refuses a changed file)."""
 
     def __post_init__(self) -> None:
-        from shaky.data import DATASETS, PARTITIONS  # noqa: PLC0415 (data imports torch; keep config light)
+        from shaky.data import DATASETS, PARTITIONS, READS_PATH  # noqa: PLC0415 (data imports torch)
 
-        _check_choice("data.dataset", self.dataset, DATASETS)
+        if not _is_factory(self.dataset):
+            _check_choice("data.dataset", self.dataset, (*DATASETS, _FACTORY))
+        _resolve_factory(self, "data.dataset")
         _check_choice("data.partition", self.partition, PARTITIONS)
         _check_range("data.dirichlet_alpha", self.dirichlet_alpha, 0.0, math.inf, lo_open=True, hi_open=True)
         _check_range("data.test_fraction", self.test_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
@@ -132,25 +174,34 @@ class DataConfig:
             raise ValueError(f"data.max_len must be >= 1, got {self.max_len}")
         if self.max_len > MAX_LEN:
             raise ValueError(f"data.max_len must be at most {MAX_LEN}, got {self.max_len}")
-        if self.dataset in ("cifar10", "text") and not self.path:
+        if self.dataset in READS_PATH and not self.path:
             raise ValueError(f"data.path must name a local {'directory' if self.dataset == 'cifar10' else 'file'} "
                              f"for dataset {self.dataset}; got ''")
-        if self.path and self.dataset not in ("cifar10", "text"):
-            raise ValueError(f"data.path applies only to the cifar10 and text data sets; dataset {self.dataset} "
-                             f"reads no file (got path {self.path!r})")
+        if self.path and self.dataset not in READS_PATH:
+            raise ValueError(f"data.path applies only to the {', '.join(READS_PATH[:-1])} and {READS_PATH[-1]} data "
+                             f"sets; dataset {self.dataset} reads no file (got path {self.path!r})")
+        if self.dataset == "bytes" and self.partition != "iid":
+            raise ValueError(f"data.partition {self.partition!r} cuts by class label; dataset bytes has a next-byte "
+                             "target at every position (use iid)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     name: str = "mlp"
-    """logreg, mlp, cnn, resnet20 ... resnet110 (depth 6n+2), or lstm."""
+    """logreg, mlp, cnn, resnet20 ... resnet110 (depth 6n+2), lstm, gpt, or a factory:
+    ``package.module:factory`` or ``path/to/file.py:factory``, called as ``factory(input_shape, num_classes)``."""
     hidden: int = 0
-    """Hidden width of mlp and lstm; 0 picks the model's default (128)."""
+    """Hidden width of mlp and lstm, gpt's embedding width; 0 picks the model's default (128; gpt 64)."""
+    sha256: str = ""
+    """A factory's file's SHA-256, recorded when the run is configured (a resume or sweep refuses a changed file);
+    a model given to ``shaky.simulate`` as an object: the digest of its class's source and parameters."""
 
     def __post_init__(self) -> None:
         from shaky.models import MODELS  # noqa: PLC0415
 
-        _check_choice("model.name", self.name, MODELS)
+        if not _is_factory(self.name):
+            _check_choice("model.name", self.name, (*MODELS, _FACTORY))
+        _resolve_factory(self, "model.name")
         if self.hidden < 0:
             raise ValueError(f"model.hidden must be >= 0, got {self.hidden}")
         if self.hidden > MAX_HIDDEN:
@@ -487,12 +538,14 @@ class RunConfig:
                     raise ValueError(f"{name} must be at most {FLOAT32_MAX:.7g} (the largest float32; "
                                      f"dtype is float32), got {value!r}")
         fitting = models_for(self.data.dataset)
-        if self.model.name not in fitting:
+        if self.model.name not in fitting and not _is_factory(self.model.name):
             from shaky.data import SAMPLE_SHAPES  # noqa: PLC0415
 
             shape = SAMPLE_SHAPES[self.data.dataset]
-            holds = "token ids" if shape is None else f"{math.prod(shape)} features" if len(shape) == 1 else "images"
-            reads = ("token ids" if self.model.name == "lstm" else "images (or a square number of features)"
+            holds = ("byte sequences with next-byte targets" if self.data.dataset == "bytes" else "token ids"
+                     if shape is None else f"{math.prod(shape)} features" if len(shape) == 1 else "images")
+            reads = ("token ids" if self.model.name == "lstm" else "byte sequences (next-token prediction)"
+                     if self.model.name == "gpt" else "images (or a square number of features)"
                      if self.model.name.startswith("resnet") else "features")
             raise ValueError(f"model.name {self.model.name!r} reads {reads} but data.dataset "
                              f"{self.data.dataset!r} holds {holds}; models for {self.data.dataset}: "

@@ -1,8 +1,9 @@
 """Data sets and their partition across workers.
 
 Every data set here is available offline: the small sets scikit-learn bundles are read from its files,
-MNIST-1D is generated locally, and CIFAR-10 and the text set are read from a
-user-supplied path. All randomness (splits, shards) flows from a ``seed``.
+MNIST-1D is generated locally, and CIFAR-10, the text set and the bytes set are read from a
+user-supplied path (:func:`synthetic_text` writes a text that is the same on every machine). A data set may
+also come from the user's own factory (``shaky.user``, called by ``shaky.setup.prepare``). All randomness (splits, shards) flows from a ``seed``.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ from typing import Any
 import numpy as np
 import torch
 
-DATASETS: tuple[str, ...] = ("digits", "iris", "wine", "breast_cancer", "mnist1d", "cifar10", "text")
+DATASETS: tuple[str, ...] = ("digits", "iris", "wine", "breast_cancer", "mnist1d", "cifar10", "text", "bytes")
+READS_PATH: tuple[str, ...] = ("cifar10", "text", "bytes")
+"""The data sets read from ``data.path``."""
 PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "label-skew")
 SAMPLE_SHAPES: dict[str, tuple[int, ...] | None] = {
     "digits": (64,), "iris": (4,), "wine": (13,), "breast_cancer": (30,), "mnist1d": (40,), "cifar10": (3, 32, 32),
-    "text": None,
+    "text": None, "bytes": None,
 }
 """Each data set's ``input_shape`` as ``load_dataset`` returns it, known before loading (the config checks
-which models fit); None for text, whose samples are ``max_len`` token ids."""
+which models fit); None for text and bytes, whose samples are ``max_len`` token ids."""
+BYTE_VOCAB = 256
+"""The bytes data set's tokens: every byte value."""
 
 PAD_ID = 0
 UNK_ID = 1
@@ -54,8 +59,9 @@ class Dataset:
     Attributes:
         name: Data set name, one of ``DATASETS``.
         x_train: Float32 features ``[N, *input_shape]``; for text, int64 token
-            ids ``[N, max_len]`` with 0 as padding.
-        y_train: Int64 labels ``[N]``.
+            ids ``[N, max_len]`` with 0 as padding; for bytes, int64 bytes ``[N, max_len]``.
+        y_train: Int64 labels ``[N]``; for next-token prediction (bytes), a target
+            per position ``[N, max_len]`` (the next byte).
         x_test: Test features, same layout as ``x_train``.
         y_test: Int64 test labels.
         input_shape: Per-sample shape, e.g. ``(64,)`` or ``(3, 32, 32)``.
@@ -86,7 +92,7 @@ def load_dataset(
         path: CIFAR-10 directory or text file; unused by the other sets.
         test_fraction: Fraction of samples held out for testing, in (0, 1);
             ignored by cifar10, which ships its own test split.
-        max_len: Text only: token ids per sentence after truncation/padding.
+        max_len: Text: token ids per sentence after truncation/padding; bytes: the context, bytes per sample.
 
     Returns:
         The loaded ``Dataset``.
@@ -114,6 +120,8 @@ def load_dataset(
         return _dense(name, *_split(x, y, test_fraction, seed, stratify=True), standardize=False)
     if name == "cifar10":
         return _load_cifar10(path)
+    if name == "bytes":
+        return _load_bytes(path, test_fraction, max_len)
     return _load_text(path, seed, test_fraction, max_len)
 
 
@@ -214,12 +222,13 @@ def shard_summary(shards: list[np.ndarray], labels: np.ndarray, num_classes: int
         num_classes: Length of each ``class_counts`` list.
 
     Returns:
-        Per worker ``{"worker": i, "num_samples": n, "class_counts": [...]}``.
+        Per worker ``{"worker": i, "num_samples": n, "class_counts": [...]}`` (next-token targets: the
+        count of every target position's class).
     """
     labels = np.asarray(labels)
     out = []
     for i, shard in enumerate(shards):
-        counts = np.bincount(labels[shard], minlength=num_classes)
+        counts = np.bincount(labels[shard].reshape(-1), minlength=num_classes)   # bytes: every position's target
         out.append({"worker": i, "num_samples": int(len(shard)), "class_counts": [int(c) for c in counts]})
     return out
 
@@ -481,3 +490,68 @@ def _load_text(path: str, seed: int, test_fraction: float, max_len: int) -> Data
         vocab_size=len(vocab) + 2,
         classes=classes,
     )
+
+
+def _load_bytes(path: str, test_fraction: float, max_len: int) -> Dataset:
+    """A file's bytes as next-byte prediction: sample i is the window of ``max_len`` bytes at ``i * max_len``, its
+    targets the same window one byte on. The test split is the file's last windows (``test_fraction`` of them),
+    as nanoGPT holds out the end of its text: neighbouring windows share their context, so a split at random
+    would test on text the training saw the rest of."""
+    if not path:
+        raise ValueError(f"data.path must point to a file for dataset bytes; got {path!r}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as err:
+        raise ValueError(f"data.path {path!r} cannot be read: {err.strerror or err}") from err
+    n = (len(raw) - 1) // max_len if raw else 0
+    n_test = math.ceil(test_fraction * n)
+    if n - n_test < 1 or n_test < 1:
+        raise ValueError(f"data.path {path!r} holds {len(raw)} bytes: {n} windows of data.max_len {max_len} + 1 "
+                         f"bytes, too few to hold out data.test_fraction {test_fraction!r} and train on the rest")
+    data = np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+    x = torch.from_numpy(data[: n * max_len].reshape(n, max_len).copy())
+    y = torch.from_numpy(data[1: n * max_len + 1].reshape(n, max_len).copy())
+    cut = n - n_test
+    return Dataset(name="bytes", x_train=x[:cut].clone(), y_train=y[:cut].clone(), x_test=x[cut:].clone(),
+                   y_test=y[cut:].clone(), input_shape=(max_len,), num_classes=BYTE_VOCAB, vocab_size=BYTE_VOCAB,
+                   classes=tuple(str(i) for i in range(BYTE_VOCAB)))
+
+
+_WORDS = {
+    "name": ("the ship", "a fox", "the old sailor", "my neighbour", "the river", "a small robot", "the queen",
+             "our teacher", "the wind", "a tired dog", "the baker", "every child"),
+    "verb": ("finds", "carries", "watches", "paints", "follows", "remembers", "builds", "hides", "sells", "calls"),
+    "thing": ("a red lantern", "the quiet harbour", "seven apples", "the broken clock", "a letter", "the map",
+              "a blue kettle", "the garden gate", "two candles", "the last train"),
+    "when": ("at dawn", "before the storm", "every morning", "in the evening", "after supper", "on sunday",
+             "while it rains", "at midnight"),
+    "link": ("and then", "but", "so", "because", "while"),
+}
+
+
+def synthetic_text(num_bytes: int, seed: int = 0) -> str:
+    """English-like ASCII text from a small grammar, ``num_bytes`` long: a corpus for the bytes data set that is the
+    same on every machine without a download (numpy's PCG64 integers; its SHA-256 is checked by the tests).
+
+    Sentences are "<name> <verb> <thing> <when>", sometimes joined by a link word, in paragraphs, so that a
+    byte-level model has spelling, words and a little syntax to learn.
+    """
+    if num_bytes < 0:
+        raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
+    rng = np.random.default_rng(seed)
+    out: list[str] = []
+    size = 0
+
+    def pick(kind: str) -> str:
+        words = _WORDS[kind]
+        return words[int(rng.integers(0, len(words)))]
+
+    while size < num_bytes:
+        sentence = f"{pick('name')} {pick('verb')} {pick('thing')} {pick('when')}"
+        if int(rng.integers(0, 3)) == 0:
+            sentence += f", {pick('link')} {pick('name')} {pick('verb')} {pick('thing')}"
+        sentence = sentence[0].upper() + sentence[1:] + (".\n\n" if int(rng.integers(0, 5)) == 0 else ". ")
+        out.append(sentence)
+        size += len(sentence)
+    return "".join(out)[:num_bytes]

@@ -34,9 +34,14 @@ MODELS: tuple[str, ...] = (
     "resnet56",
     "resnet110",
     "lstm",
+    "gpt",
 )
 
 DEFAULT_HIDDEN: int = 128
+GPT_EMBED: int = 64
+"""gpt's default embedding width (``model.hidden`` 0)."""
+GPT_LAYERS: int = 2
+GPT_HEADS: int = 4
 EMBED_DIM: int = 64
 # Two groups per GroupNorm layer, as in the GroupNorm ResNets of federated
 # CIFAR benchmarks (Reddi et al., 2021, "Adaptive Federated Optimization"); it
@@ -246,6 +251,87 @@ class LSTMClassifier(nn.Module):
         return self.fc(h)
 
 
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which each position sees itself and the positions before it.
+
+    Written out (scores, mask, softmax) rather than ``F.scaled_dot_product_attention``: under ``vmap`` over the
+    workers' parameter rows the fused kernel has no batching rule and runs worker by worker (a warning, and
+    slower), while these matmuls batch over the workers.
+    """
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, C]`` -> ``[B, T, C]``."""
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).split(c, dim=-1))
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.heads))
+        later = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)   # a position's future
+        attn = scores.masked_fill(later, float("-inf")).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, t, c))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)), the MLP 4x wide with GELU."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, C]`` -> ``[B, T, C]``."""
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer in nanoGPT's spirit, for next-token prediction.
+
+    Token and learned position embeddings, ``layers`` pre-norm blocks, a final LayerNorm and a linear head to
+    the vocabulary (not tied to the token embedding: one parameter, one place in the flat row). No dropout and
+    no buffers, so every worker's model is a pure function of its parameters. Initialised as nanoGPT: normal
+    weights of std 0.02 (the residual projections 0.02 / sqrt(2 * layers)), zero biases.
+    """
+
+    def __init__(self, vocab_size: int, context: int, width: int = GPT_EMBED, layers: int = GPT_LAYERS,
+                 heads: int = GPT_HEADS) -> None:
+        super().__init__()
+        self.context = context
+        self.tokens = nn.Embedding(vocab_size, width)
+        self.positions = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(GPTBlock(width, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() > 1:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("attn.proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map token ids ``[B, T]`` (T at most the context) to next-token logits ``[B, T, vocab_size]``.
+
+        Raises:
+            ValueError: If ``x`` is not an integer tensor.
+        """
+        if x.is_floating_point() or x.is_complex():
+            raise ValueError(f"model.name='gpt' needs integer token ids; got dtype {x.dtype}")
+        h = self.tokens(x) + self.positions(torch.arange(x.shape[-1], device=x.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
 def _make(
     name: str,
     input_shape: tuple[int, ...],
@@ -266,6 +352,16 @@ def _make(
         if vocab_size < 2:
             raise ValueError(f"model.name='lstm' needs vocab_size >= 2; got {vocab_size}")
         return LSTMClassifier(vocab_size, hidden or DEFAULT_HIDDEN, num_classes)
+    if name == "gpt":
+        if len(input_shape) != 1:
+            raise ValueError(f"{misfit}: needs byte or token ids of shape (T,)")
+        if vocab_size < 2 or num_classes > vocab_size:
+            raise ValueError(f"model.name='gpt' predicts the next of vocab_size tokens; got vocab_size "
+                             f"{vocab_size} for {num_classes} classes")
+        width = hidden or GPT_EMBED
+        if width % GPT_HEADS:
+            raise ValueError(f"model.hidden {width} must be a multiple of gpt's {GPT_HEADS} heads")
+        return GPT(vocab_size, input_shape[0], width)
     side = _square_side(features) if len(input_shape) == 1 else None
     if name == "cnn":
         if len(input_shape) == 3:
@@ -300,20 +396,26 @@ def build_model(
     """Build a model with parameters initialised deterministically from ``seed``.
 
     Args:
-        name: One of :data:`MODELS`.
+        name: One of :data:`MODELS`, or a factory (``package.module:factory``, ``path/to/file.py:factory``,
+            see :mod:`shaky.user`), called as ``factory(input_shape, num_classes)`` under ``seed``.
         input_shape: Shape of one example (no batch dimension), e.g. ``(64,)``,
             ``(3, 32, 32)``, or ``(L,)`` token ids for ``"lstm"``.
         num_classes: Number of output logits.
-        vocab_size: Vocabulary size for ``"lstm"`` (token 0 is padding).
-        hidden: Hidden width of ``"mlp"`` and ``"lstm"``; 0 means 128.
+        vocab_size: Vocabulary size for ``"lstm"`` (token 0 is padding) and ``"gpt"``.
+        hidden: Hidden width of ``"mlp"`` and ``"lstm"``, embedding width of ``"gpt"``; 0 means 128 (gpt: 64).
         seed: Initialisation seed; the global RNG state is left untouched.
 
     Returns:
-        The model, a pure function of its parameters (no buffers).
+        The model, a pure function of its parameters (no buffers; a factory's is checked by
+        ``shaky.user.check_model`` once the data is known).
 
     Raises:
         ValueError: On an unknown name, bad sizes, or an input the model cannot take.
     """
+    if ":" in name:
+        from shaky import user  # noqa: PLC0415
+
+        return user.build_model(name, tuple(int(s) for s in input_shape), num_classes, seed)
     if name not in MODELS:
         raise ValueError(f"model.name must be one of {MODELS}; got {name!r}")
     input_shape = tuple(int(s) for s in input_shape)

@@ -62,9 +62,14 @@ def load_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    """A Markdown table of run summaries, aligned for reading in a terminal too."""
+    """A Markdown table of run summaries, aligned for reading in a terminal too; with a test perplexity column
+    after the loss where a run predicts next tokens (``final_test_perplexity``)."""
     body = [[c for c, _ in _COLUMNS]] + [summary_row(name, s) for name, s in rows]
-    widths = [max(len(r[i]) for r in body) for i in range(len(_COLUMNS))]
+    if any(s.get("final_test_perplexity") is not None for _, s in rows):
+        for row, (_, summary) in zip(body, [("", {}), *rows]):
+            ppl = summary.get("final_test_perplexity")
+            row.insert(3, "perplexity" if not summary else "-" if ppl is None else f"{ppl:.4g}")
+    widths = [max(len(r[i]) for r in body) for i in range(len(body[0]))]
     lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(r, widths)) + " |" for r in body]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
@@ -110,6 +115,7 @@ _LABELS: dict[str, tuple[str, float, str]] = {
     "final_worker_test_accuracy": ("final worker test accuracy (%)", 100.0, "{:.2f}"),
     "final_test_loss": ("final test loss (cross-entropy)", 1.0, "{:.4f}"),
     "final_train_loss": ("final train loss (cross-entropy)", 1.0, "{:.4f}"),
+    "final_test_perplexity": ("final test perplexity (exp of the loss per token)", 1.0, "{:.4g}"),
     "consensus_distance": ("consensus distance (mean squared L2 to the average)", 1.0, "{:.3g}"),
     "sim_time_s": ("simulated time (s)", 1.0, "{:.3g}"),
     "bytes_sent": ("sent (MB)", 1e-6, "{:.1f}"),
@@ -229,6 +235,7 @@ def _fmt_stat(xs: Sequence[float], metric: str) -> str:
 
 _COLUMN_NAMES = {"final_test_accuracy": "final acc (%)", "final_worker_test_accuracy": "worker acc (%)",
                  "final_test_loss": "test loss", "final_train_loss": "train loss", "consensus_distance": "consensus",
+                 "final_test_perplexity": "perplexity",
                  "sim_time_s": "sim s", "bytes_sent": "MB sent", "messages_dropped": "dropped",
                  "rounds_to_target": "rounds to target", "wall_time_s": "wall s", "exchange_s": "exchange s",
                  "period": "d", "delay": "t"}

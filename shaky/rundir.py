@@ -452,6 +452,7 @@ class Summary:
     final_test_accuracy: float
     """Test accuracy of the average model at the last evaluation."""
     final_test_loss: float
+    """Mean cross-entropy per test sample (next-token prediction: per token)."""
     final_train_loss: float | None
     """Mean training loss over the steps since the evaluation before the last."""
     final_worker_test_accuracy: float | None
@@ -504,6 +505,9 @@ class Summary:
     udp: dict[str, Any] | None = None
     """dist.transport udp: the datagrams of the run, every rank's summed (sent, received, the observed loss
     rate 1 - received / expected, late, rejected, phases closed by their deadline); None otherwise."""
+    final_test_perplexity: float | None = None
+    """Next-token prediction (a target per position, e.g. the bytes data set): exp(final_test_loss); None for a
+    classifier."""
     versions: dict[str, str] | None = None
     """shaky, torch and Python of the process that wrote it (:func:`versions`; rank 0's on the dist backend);
     None in a summary written before shaky recorded them."""
@@ -538,7 +542,8 @@ class Summary:
             trace=str(Path(cfg.network.trace).resolve()) if cfg.network.trace else "",
             transport=cfg.dist.transport if cfg.backend == "dist" else "", udp=udp or None,
             wait_s=round(counters.wait_s, 6) if cfg.backend == "dist" else None,
-            sim_wait_s=round(counters.sim_wait_s, 6), versions=versions(), config_sha256=config_sha256)
+            sim_wait_s=round(counters.sim_wait_s, 6), final_test_perplexity=last.get("test_perplexity"),
+            versions=versions(), config_sha256=config_sha256)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values; a number that is not finite (a diverged run's loss) becomes None, since

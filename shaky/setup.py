@@ -7,8 +7,10 @@ network, strategy) and raises ValueError naming the setting; ``evaluate`` and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fcntl
+import math
 import hashlib
 import json
 import os
@@ -30,6 +32,7 @@ from shaky.network.model import NetworkModel, TraceNetwork
 from shaky.progress import say
 from shaky.rundir import Trace, load_trace
 from shaky.strategies import Strategy, build_strategy
+from shaky.user import check_model, load_data
 from shaky.vectorized import make_functions, worker_logits
 
 
@@ -81,6 +84,7 @@ def measured_compute_ms(setup: Setup) -> float:
     cfg = setup.cfg
     key = json.dumps([cfg.data.dataset, str(Path(cfg.data.path).resolve()) if cfg.data.path else "",
                       cfg.model.name, cfg.model.hidden, cfg.batch_size, cfg.dtype, torch.__version__, _cpu_name()]
+                     + [digest for digest in (cfg.data.sha256, cfg.model.sha256) if digest]   # an edited factory
                      + ([torch.cuda.get_device_name(setup.device)] if setup.device.type == "cuda" else []))
     if key in _COMPUTE_MS:
         return _COMPUTE_MS[key]
@@ -226,34 +230,53 @@ def dataset_on(data: Dataset, device: torch.device) -> Dataset:
                                x_test=data.x_test.to(device), y_test=data.y_test.to(device))
 
 
-def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = None) -> Setup:
+def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = None,
+            model: torch.nn.Module | None = None, data: Dataset | None = None) -> Setup:
     """Loads data, cuts shards, builds the model, network and strategy; raises ValueError on bad input.
 
     Without ``measure`` a compute time that is not set stays -1 for the caller to fill in (the dist
     backend: rank 0 reads or measures it, and every rank takes rank 0's). ``local_rank``: see
-    :func:`resolve_device`."""
+    :func:`resolve_device`. ``model`` and ``data``: a model and a data set given as objects
+    (:func:`shaky.simulate`; ``cfg`` names them ``object:...``): a copy of the model is trained, from its own
+    parameters, and the data's splits are the user's. A model that is not one of shaky's own (a factory's, an
+    object) is checked by :func:`shaky.user.check_model`: the simulator must be able to vectorize it."""
     dtype = getattr(torch, cfg.dtype)
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
         deterministic_cuda()
         torch.cuda.set_device(device)
-    data = load_dataset(cfg.data.dataset, seed=cfg.seed, path=cfg.data.path,
-                        test_fraction=cfg.data.test_fraction, max_len=cfg.data.max_len)
+    if data is None and ":" in cfg.data.dataset:    # a factory's (shaky.user), called under the seed
+        data = load_data(cfg.data.dataset, cfg.seed)
+    if data is None:
+        data = load_dataset(cfg.data.dataset, seed=cfg.seed, path=cfg.data.path,
+                            test_fraction=cfg.data.test_fraction, max_len=cfg.data.max_len)
     if data.x_train.is_floating_point():
         data = dataclasses.replace(data, x_train=data.x_train.to(dtype), x_test=data.x_test.to(dtype))
-    chunks = partition(data.y_train.numpy(), cfg.num_workers, kind=cfg.data.partition, seed=cfg.seed,
+    sequences = data.y_train.dim() > 1     # a target per position: next-token prediction
+    if sequences and cfg.data.partition != "iid":
+        raise ValueError(f"data.partition {cfg.data.partition!r} cuts by class label; data.dataset "
+                         f"{cfg.data.dataset!r} has a target per position (use iid)")
+    # iid draws only a permutation of the samples: a next-token set's shards need no labels.
+    labels = data.y_train.numpy() if not sequences else np.zeros(len(data.y_train), dtype=np.int64)
+    chunks = partition(labels, cfg.num_workers, kind=cfg.data.partition, seed=cfg.seed,
                        alpha=cfg.data.dirichlet_alpha)
     shards = assign_chunks(chunks, cfg.strategy.redundancy)
     _check_batches_fit(cfg, shards)
     data = dataset_on(data, device)
-    model = build_model(cfg.model.name, input_shape=data.input_shape, num_classes=data.num_classes,
-                        vocab_size=data.vocab_size, hidden=cfg.model.hidden, seed=cfg.seed).to(device, dtype)
+    if model is None:
+        model = build_model(cfg.model.name, input_shape=data.input_shape, num_classes=data.num_classes,
+                            vocab_size=data.vocab_size, hidden=cfg.model.hidden, seed=cfg.seed)
+    else:   # the user's object stays as it was: the run trains a copy
+        model = copy.deepcopy(model)
+    model = model.to(device, dtype)
     flat = FlatParams(model)
     if cfg.network.trace:
         network: NetworkModel = TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, *_load_trace(cfg))
     else:  # the message size sets how many segments a block has (network.segment_bytes)
         network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed, dim=flat.dim, itemsize=dtype.itemsize)
     grad_fn, forward_fn = make_functions(model, flat)
+    if ":" in cfg.model.name:     # not one of shaky's own models: can the simulator vectorize it?
+        check_model(cfg.model.name, model, data, grad_fn, forward_fn, flat)
     setup = Setup(cfg, data, shards, model, flat, network, build_strategy(cfg), cfg.network.compute_ms,
                   dtype, device, grad_fn, forward_fn)
     if setup.compute_ms < 0 and measure:
@@ -306,15 +329,21 @@ def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, weights: torch.Tens
              chunk: int = 2048) -> dict[str, float]:
     """Test metrics of the averaged model and of each worker, and the consensus distance (over live workers).
     Two rounds of means: the model's with the workers' accuracies (and any other deferred mean, a gradient
-    diversity's), then the consensus distance, which needs the first."""
+    diversity's), then the consensus distance, which needs the first.
+
+    With a target per position (next-token prediction) accuracy and loss are per token, ``chunk`` counts tokens,
+    and ``test_perplexity`` (exp of the test loss) is reported too."""
     x, y = setup.data.x_test, setup.data.y_test
+    targets = y.numel()                          # len(y) for a classifier
+    chunk = max(1, chunk // max(1, targets // len(y)))
     worker_correct = torch.zeros(params.shape[0], dtype=torch.float64, device=params.device)
     per_worker = worker_logits(setup.grad_fn, setup.forward_fn)
     with torch.no_grad():
         for s in range(0, len(y), chunk):
-            worker_correct += (per_worker(params, x[s:s + chunk]).argmax(-1) == y[s:s + chunk]).sum(dim=1).double()
+            hits = per_worker(params, x[s:s + chunk]).argmax(-1) == y[s:s + chunk]
+            worker_correct += hits.flatten(1).sum(dim=1).double()
     started = comm.start_mean(params, weights, deferred=True)
-    worker_acc = comm.start_mean((worker_correct / len(y))[:, None], weights, deferred=True)
+    worker_acc = comm.start_mean((worker_correct / targets)[:, None], weights, deferred=True)
     mean = started.wait()[:1]
     consensus = comm.mean((params - mean).pow(2).sum(dim=1, keepdim=True), weights)[0, 0]
     avg_correct = avg_loss = 0.0
@@ -322,7 +351,11 @@ def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, weights: torch.Tens
         for s in range(0, len(y), chunk):
             xs, ys = x[s:s + chunk], y[s:s + chunk]
             out = setup.forward_fn(mean[0], xs)
-            avg_loss += float(F.cross_entropy(out, ys, reduction="sum"))
+            avg_loss += float(F.cross_entropy(out.flatten(0, -2), ys.reshape(-1), reduction="sum"))
             avg_correct += float((out.argmax(-1) == ys).sum())
-    return {"test_accuracy": avg_correct / len(y), "test_loss": avg_loss / len(y),
-            "worker_test_accuracy": float(worker_acc.wait()[0, 0]), "consensus_distance": float(consensus)}
+    row = {"test_accuracy": avg_correct / targets, "test_loss": avg_loss / targets,
+           "worker_test_accuracy": float(worker_acc.wait()[0, 0]), "consensus_distance": float(consensus)}
+    if y.dim() > 1:
+        loss = row["test_loss"]     # exp overflows a float past 709; NaN stays NaN
+        row["test_perplexity"] = math.exp(loss) if loss < 700 else math.inf if loss > 0 else loss
+    return row

@@ -22,8 +22,8 @@ at batch ``W * B`` costs (the limit on one machine, see ``docs/performance.md``)
   product for all workers, the input projection of every step at once and laid
   out time-major; the backward through time written out by hand, each weight's
   gradient one ``bmm`` over all steps.
-* anything else (a model whose layout is not recognised) uses the generic vmap
-  path, so every model keeps working.
+* anything else (``gpt``, a user's own model, any model whose layout is not
+  recognised) uses the generic vmap path, so every model keeps working.
 
 The numbers agree with the generic path to float rounding
 (``tests/test_vectorized.py``).
@@ -51,17 +51,29 @@ GradFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tupl
 """``grad_fn(params [W, D], x [W, B, ...], y [W, B], mask [W, B]) -> (grads [W, D], losses [W])``.
 
 Worker i's loss is the mean cross-entropy over its real samples (``mask`` 1;
-padding slots, ``mask`` 0, weigh nothing): ``sum_b ce[i, b] * mask[i, b] / sum_b mask[i, b]``.
+padding slots, ``mask`` 0, weigh nothing): ``sum_b ce[i, b] * mask[i, b] / sum_b mask[i, b]``. With targets
+``y [W, B, T]`` (next-token prediction) a sample's ``ce`` is the mean over its T positions (:func:`sample_losses`).
 """
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``forward_fn(row [D], x [N, ...]) -> logits [N, C]``; vmappable over ``row``."""
+"""``forward_fn(row [D], x [N, ...]) -> logits [N, C]`` (``[N, T, V]`` for next-token prediction); vmappable over
+``row``."""
 InPlaceUpdate = Callable[[slice, torch.Tensor], None]
 """``update(columns, grad [W, n])``: apply an optimizer step to ``params[:, columns]`` in place."""
 FusedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, InPlaceUpdate], torch.Tensor]
 """``fused(params [W, D], x, y, mask, update) -> losses [W]``: the backward pass calls ``update`` per parameter."""
 
 __all__ = ["BatchedGradFn", "ForwardFn", "FusedFn", "FusedGradFn", "GradFn", "InPlaceUpdate", "fast_path",
-           "generic_functions", "make_functions", "tune_allocator", "worker_logits"]
+           "generic_functions", "make_functions", "sample_losses", "tune_allocator", "worker_logits"]
+
+
+def sample_losses(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each sample's cross-entropy ``[B]``: of logits ``[B, C]`` against labels ``[B]``, or, for next-token
+    prediction, the mean over positions of logits ``[B, T, V]`` against targets ``[B, T]`` (so a worker's loss is
+    the mean over its tokens). A classifier's numbers are ``F.cross_entropy``'s, untouched."""
+    if y.dim() <= 1:
+        return F.cross_entropy(logits, y, reduction="none")
+    per_token = F.cross_entropy(logits.flatten(0, -2), y.reshape(-1), reduction="none")
+    return per_token.view(y.shape).flatten(1).mean(dim=1)
 
 
 def generic_functions(model: nn.Module, flat: FlatParams) -> tuple[GradFn, ForwardFn]:
@@ -72,7 +84,7 @@ def generic_functions(model: nn.Module, flat: FlatParams) -> tuple[GradFn, Forwa
 
     def loss(row: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # The mean over the worker's real samples; padding slots (mask 0) weigh nothing.
-        return (F.cross_entropy(logits(row, x), y, reduction="none") * mask).sum() / mask.sum()
+        return (sample_losses(logits(row, x), y) * mask).sum() / mask.sum()
 
     return vmap(grad_and_value(loss)), logits
 

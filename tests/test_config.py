@@ -337,7 +337,8 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
     ("dist.emulate_latency", True, "dist.emulate_latency = True applies only with dist.transport = \"udp\" "
                                    "(got 'gloo')"),
     ("data.dataset", "mnist", "data.dataset must be one of digits, iris, wine, breast_cancer, mnist1d, cifar10, "
-                              "text; got 'mnist'"),
+                              "text, bytes, or a factory (package.module:factory, path/to/file.py:factory); "
+                              "got 'mnist'"),
     ("data.partition", "random", "data.partition must be one of iid, dirichlet, label-skew; got 'random'"),
     ("data.dirichlet_alpha", 0.0, "data.dirichlet_alpha must be in (0, inf), got 0.0"),
     ("data.test_fraction", 0.0, "data.test_fraction must be in (0, 1), got 0.0"),
@@ -346,7 +347,8 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
     ("data.dataset", "cifar10", "data.path must name a local directory for dataset cifar10; got ''"),
     ("data.dataset", "text", "data.path must name a local file for dataset text; got ''"),
     ("model.name", "vgg", "model.name must be one of logreg, mlp, cnn, resnet20, resnet32, resnet44, resnet56, "
-                          "resnet110, lstm; got 'vgg'"),
+                          "resnet110, lstm, gpt, or a factory (package.module:factory, path/to/file.py:factory); "
+                          "got 'vgg'"),
     ("model.hidden", -1, "model.hidden must be >= 0, got -1"),
     ("strategy.name", "gossip", "strategy.name must be one of allreduce, lossy-allreduce, rps, local-sgd, ri-sgd, dts, diloco; got 'gossip'"),
     # Absurdly large values: refused before anything is sized by them.
@@ -354,7 +356,7 @@ RANGE_CASES: list[tuple[str, Any, str]] = [
     ("model.hidden", 10**8, "model.hidden must be at most 8192, got 100000000"),
     ("data.max_len", 10**6, "data.max_len must be at most 4096, got 1000000"),
     ("optim.lr", 1e300, "optim.lr must be at most 3.402823e+38 (the largest float32; dtype is float32), got 1e+300"),
-    ("data.path", "notes.txt", "data.path applies only to the cifar10 and text data sets; dataset digits reads no "
+    ("data.path", "notes.txt", "data.path applies only to the cifar10, text and bytes data sets; dataset digits reads no "
                                "file (got path 'notes.txt')"),
 ]
 

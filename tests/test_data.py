@@ -184,7 +184,7 @@ def test_text_errors(tmp_path: Path) -> None:
 
 
 def test_load_dataset_argument_errors() -> None:
-    assert DATASETS == ("digits", "iris", "wine", "breast_cancer", "mnist1d", "cifar10", "text")
+    assert DATASETS == ("digits", "iris", "wine", "breast_cancer", "mnist1d", "cifar10", "text", "bytes")
     with pytest.raises(ValueError, match=r"data.dataset must be one of digits, iris.*got 'foo'"):
         load_dataset("foo", seed=0)
     for bad in (0.0, 1.0, -0.5, 1.5):

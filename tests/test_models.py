@@ -144,3 +144,24 @@ def test_unknown_name() -> None:
     with pytest.raises(ValueError, match="model.name must be one of"):
         build_model("vgg", input_shape=(64,), num_classes=10, seed=0)
     assert "resnet110" in MODELS
+
+
+def test_gpt_is_causal_seeded_and_has_no_buffers() -> None:
+    """gpt's logits at a position depend on that position and the ones before it only; the same seed builds the
+    same model; no buffers (a pure function of its parameters, as the simulator needs); default sizes."""
+    model = build_model("gpt", input_shape=(8,), num_classes=VOCAB, vocab_size=VOCAB, seed=0)
+    assert not list(model.buffers())
+    assert model.tokens.weight.shape == (VOCAB, 64) and len(model.blocks) == 2 and model.blocks[0].attn.heads == 4
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    later = ids.clone()
+    later[:, 5:] = (later[:, 5:] + 1) % VOCAB
+    out, out_later = model(ids), model(later)
+    assert out.shape == (2, 8, VOCAB)
+    torch.testing.assert_close(out[:, :5], out_later[:, :5])
+    assert not torch.allclose(out[:, 5:], out_later[:, 5:])
+    again = build_model("gpt", input_shape=(8,), num_classes=VOCAB, vocab_size=VOCAB, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    with pytest.raises(ValueError, match="model.name='gpt'"):
+        model(torch.randn(2, 8))
+    with pytest.raises(ValueError, match="model.hidden 30"):
+        build_model("gpt", input_shape=(8,), num_classes=VOCAB, vocab_size=VOCAB, hidden=30, seed=0)

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.func import vmap
 
 from shaky.models import MODELS, FlatParams, build_model
@@ -36,7 +37,33 @@ EXPECTED_PATH = {"logreg": "linear", "mlp": "linear", "cnn": "grouped", "lstm": 
 
 
 def test_cases_cover_every_model() -> None:
-    assert {name for name, _ in CASES} == set(MODELS)
+    # gpt, a next-token model, has its own test below (test_gpt_grads_are_each_worker_s_own).
+    assert {name for name, _ in CASES} | {"gpt"} == set(MODELS)
+
+
+def test_gpt_grads_are_each_worker_s_own() -> None:
+    """gpt runs on the generic vmap path: each worker's loss and gradient are its own model's on its own batch (the
+    mean next-token cross-entropy over its real samples' positions), as plain autograd computes them one worker
+    at a time; padding samples weigh nothing."""
+    model = build_model("gpt", input_shape=(6,), num_classes=VOCAB, vocab_size=VOCAB, hidden=16, seed=0).double()
+    flat = FlatParams(model)
+    gen = torch.Generator().manual_seed(1)
+    params = flat.flatten(model) + 0.05 * torch.randn(3, flat.dim, generator=gen, dtype=torch.float64)
+    x = torch.randint(0, VOCAB, (3, 5, 6), generator=gen)
+    y = torch.randint(0, VOCAB, (3, 5, 6), generator=gen)
+    mask = (torch.arange(5) < torch.tensor([[5], [4], [2]])).double()
+    assert fast_path(model) is None
+    grads, losses = make_functions(model, flat)[0](params, x, y, mask)
+    assert grads.shape == (3, flat.dim) and losses.shape == (3,)
+    for w in range(3):
+        flat.load(model, params[w])
+        model.zero_grad()
+        n = int(mask[w].sum())
+        loss = F.cross_entropy(model(x[w, :n]).reshape(-1, VOCAB), y[w, :n].reshape(-1))
+        loss.backward()
+        torch.testing.assert_close(losses[w], loss.detach(), rtol=1e-12, atol=1e-12)
+        want = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        torch.testing.assert_close(grads[w], want, rtol=1e-10, atol=1e-12)
 
 
 def _setup(name: str, shape: tuple[int, ...], workers: int, batch: int, dtype: torch.dtype = torch.float32,
