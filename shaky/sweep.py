@@ -700,6 +700,10 @@ def _run_pool(tasks: list[Task], jobs: int, runner: Callable[[Task], dict[str, A
         for process in alive:
             process.kill()
             process.join(5)
+        # Every worker is gone: the pool's thread notices and closes its queues, here rather than in an exit
+        # function (the shaky process ends with os._exit once its exit functions ran; semaphores left open then
+        # are reported by multiprocessing's resource tracker as leaked).
+        pool.shutdown(wait=True)
         raise
     pool.shutdown(wait=True)
 

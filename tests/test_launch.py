@@ -464,7 +464,7 @@ def test_a_config_in_the_store_that_is_not_rank_0_s_stops_the_rank(monkeypatch: 
     ours = RunConfig(backend="dist", num_workers=2)
     rank0 = json.loads(json.dumps(to_dict(ours)))
     rank0["optim"]["lr"] = 0.5
-    monkeypatch.setattr(checks, "broadcast_object", lambda value: (rank0, None))
+    monkeypatch.setattr(checks, "broadcast_object", lambda value: (rank0, None, None))
     monkeypatch.setattr(checks, "gather_object", lambda value: [(None, *value[1:]), value])     # as rank 1 of 2
     with pytest.raises(ForgedRecord, match=r"rank 1: .*\(its optim\.lr is 0\.1, rank 0's 0\.5\)"):
         checks.check_same_config(ours, resumed=True)
@@ -486,7 +486,7 @@ def test_a_machine_whose_data_is_not_rank_0_s_stops_every_rank(monkeypatch: pyte
     rank0 = json.loads(json.dumps(to_dict(ours)))
     rank0["data"]["path"] = "/there/data.txt"
     digests = {"data": "ab" * 32}
-    monkeypatch.setattr(checks, "broadcast_object", lambda value: (rank0, None))
+    monkeypatch.setattr(checks, "broadcast_object", lambda value: (rank0, None, None))
 
     def rank0_read(data: tuple[str, str], trace: tuple[str, str] | None = None) -> None:
         """rank 0's data (path, digest) and trace, as rank 1 of 2 gathers them"""
@@ -504,7 +504,7 @@ def test_a_machine_whose_data_is_not_rank_0_s_stops_every_rank(monkeypatch: pyte
         checks.check_same_config(dataclasses.replace(ours, network=dataclasses.replace(ours.network, trace="t1.npz")),
                                resumed=False, inputs={**digests, "network.trace": "11" * 32})
     ours = plain
-    monkeypatch.setattr(checks, "broadcast_object", lambda value: (json.loads(json.dumps(to_dict(plain))), None))
+    monkeypatch.setattr(checks, "broadcast_object", lambda value: (json.loads(json.dumps(to_dict(plain))), None, None))
     rank0_read(("", "cd" * 32))
     with pytest.raises(BadInput, match=r"^rank 1 loads other digits data than rank 0 \(sha256 abababababab, "):
         checks.check_same_config(ours, resumed=True, inputs=digests)   # the machine's data, not a forged record
