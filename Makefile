@@ -21,8 +21,9 @@ test: $(BIN)/shaky
 	$(BIN)/python -m pytest
 
 # A run and a sweep stopped by SIGINT, SIGTERM and SIGKILL at 20 random moments each, resumed every time,
-# compared with the uninterrupted ones (tests/test_kill.py); the launchers' restarts over two machines
-# (tests/test_launch.py) and a hung rank (tests/test_dist_faults.py). Several minutes.
+# compared with the uninterrupted ones (tests/test_kill.py), and by SIGINT and SIGTERM at 50 moments of their
+# whole lives (tests/test_signals.py); the launchers' restarts (tests/test_launch.py), ranks killed, frozen or
+# started again (tests/test_membership.py), a hung rank (tests/test_dist_faults.py). Twenty minutes or more.
 test-kill: $(BIN)/shaky
 	$(BIN)/python -m pytest -m kill
 

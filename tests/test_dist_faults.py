@@ -30,6 +30,7 @@ _finish = finish
 
 
 @pytest.mark.parametrize("fault", ["exit", pytest.param("hang", marks=pytest.mark.kill)])  # hang: make test-kill
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_failed_rank_is_named_and_resume_finishes(fault: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     procs = _launch(["--backend", "dist", *ARGS, "--set", "dist_timeout_s=5", "--out", str(run_dir)], tmp_path,

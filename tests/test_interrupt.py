@@ -91,6 +91,7 @@ seed = [0, 1, 2]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_a_stopped_sweep_leaves_no_workers_and_resumes_identical(signum: int, tmp_path: Path) -> None:
     (tmp_path / "grid.toml").write_text(SWEEP)
     proc = _shaky(["sweep", "grid.toml", "--out", "out", "--jobs", "2", "--quiet"], tmp_path)

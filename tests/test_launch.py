@@ -41,6 +41,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
     return proc.returncode, err
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_a_killed_rank_is_started_again_alone_and_taken_back(tmp_path: Path) -> None:
     """Rank 2 gets SIGKILL before step 25: the launcher starts it again (and only it), the survivors take it
     back, and the run ends with 3 live workers and status 0. The udp key reached the ranks from the launcher,
@@ -77,6 +78,7 @@ def test_log_dir_keeps_each_rank_s_output_behind_a_header_per_process_and_still_
 
 
 @pytest.mark.parametrize("restarts", [0, 1])
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_a_dead_rank_0_stops_the_run_and_the_launcher_resumes_every_rank(restarts: int, tmp_path: Path) -> None:
     """udp: rank 0, which hosts the stores, gets SIGKILL before step 25; the others stop, saying how to resume under
     the launcher, and with a restart left the launcher does just that for every rank (the run finishes, status 0);
@@ -99,6 +101,7 @@ def test_a_dead_rank_0_stops_the_run_and_the_launcher_resumes_every_rank(restart
                 f"{NO_RESTARTS_LEFT} (0 of --max-restarts 0)") in err, err
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_two_launchers_one_a_machine_make_one_run_and_the_second_starts_its_dead_rank_again(tmp_path: Path) -> None:
     """The README's two-machine command, both machines played by this one: 2 ranks each, a key file on both.
     Rank 3 (the second launcher's) dies at step 40 and that launcher starts it again; the run ends with 4 live
@@ -125,6 +128,7 @@ def test_two_launchers_one_a_machine_make_one_run_and_the_second_starts_its_dead
     assert summary["live_workers"] == 4 and summary["udp"]["membership_changes"][-1]["rejoined"] == [3], summary
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_on_gloo_the_launcher_resumes_every_rank_and_the_run_ends_as_one_never_stopped(tmp_path: Path) -> None:
     """gloo: rank 1 dies at step 30 and takes the run with it; with --max-restarts 1 the launcher starts every rank
     again from the step-20 checkpoint (rank 1 once, without the injected fault), and the run's metrics and
@@ -365,6 +369,7 @@ def test_over_two_machines_each_launcher_starts_its_ranks_again_and_the_run_ends
 
 
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_over_two_machines_each_resumes_with_its_own_data_path(tmp_path: Path) -> None:
     """The same command line on both machines names a data file by a relative path, so each machine's data.path
     is its own (tmp_path/a/data.tsv, tmp_path/b/data.tsv: the second machine cannot see the first's). Rank 3 dies
@@ -827,6 +832,7 @@ def test_a_rank_whose_process_group_never_forms_stops_with_one_line(node: int, t
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_two_launchers_given_one_node_rank_do_not_both_join_as_its_ranks(tmp_path: Path) -> None:
     """Three launchers of a 2-machine run, two of them given --node-rank 1: the first rank 1 to claim its rank in
     the store trains with rank 0; the other stops at once with one line naming both claimants (status 2), not

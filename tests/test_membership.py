@@ -67,6 +67,7 @@ def test_survivors_of_a_sigkill_train_on(tmp_path: Path) -> None:
     assert abs(summary["final_test_accuracy"] - simulated["final_test_accuracy"]) <= 0.01, (summary, simulated)
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_a_frozen_rank_is_left_out_and_told_so_when_it_wakes(tmp_path: Path) -> None:
     """Rank 2 freezes itself (SIGSTOP) before step 25 and is woken once the others are done: the survivors
     finish (its heartbeat stopped, so it was left out after dist.heartbeat_timeout_s, never a transport
@@ -126,6 +127,7 @@ def test_ri_sgd_with_redundancy_keeps_its_coverage_through_two_failures(tmp_path
     assert abs(summary["final_test_accuracy"] - clean["final_test_accuracy"]) <= 0.01, (summary, clean)
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_a_rank_started_again_is_taken_back(tmp_path: Path) -> None:
     """DTS (t = 4, momentum): rank 2 is killed with SIGKILL before step 25 and started again with the same
     command line. The survivors take it back at a step's start (their exchanges in flight complete first; it
@@ -178,6 +180,7 @@ def test_a_rank_started_again_is_taken_back(tmp_path: Path) -> None:
     ("gloo", [], "it uses the gloo transport, on which a failure stops every rank"),
     ("udp", ["--lr", "0.07"], "its optim.lr is 0.07, the run's is 0.05"),
 ])
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_a_process_that_cannot_rejoin_says_why_in_one_line(transport: str, extra: list[str], expected: str,
                                                             tmp_path: Path) -> None:
     """A process started for rank 1 of a run in progress that cannot take it (a gloo run, or another config)
@@ -204,6 +207,7 @@ def test_a_process_that_cannot_rejoin_says_why_in_one_line(transport: str, extra
     assert code == 2 and len(lines) == 1 and expected in lines[0], err[-2000:]
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_when_the_store_host_dies_every_rank_stops_with_one_line_and_the_run_resumes(tmp_path: Path) -> None:
     """Rank 0 hosts the rendezvous store (the control plane): when it is killed, the others stop with one line
     naming it and the last checkpoint (status 3), and the same command line with --resume ends the run."""
@@ -251,6 +255,7 @@ def test_control_rounds_are_the_exchanges_and_the_loss_means_ride_in_them(strate
     assert losses[30] == pytest.approx(replayed, rel=1e-5), (losses, replayed)
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_with_every_packet_lossy_a_finished_run_ends_cleanly_on_every_rank(tmp_path: Path) -> None:
     """5% of every packet on the loopback dropped, the store's TCP included (a namespace of the test's own), and
     the store hosted by rank 0's process: every rank of a finished run exits 0. Rank 0 waits until the others

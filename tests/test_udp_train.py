@@ -153,6 +153,7 @@ def test_a_delayed_exchange_in_the_background_replays_in_the_simulator(tmp_path:
     assert summary["sim_time_s"] - read_summary(replay)["sim_time_s"] > 0.4, (summary, read_summary(replay))
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_an_attacker_on_the_path_changes_nothing(tmp_path: Path) -> None:
     """Random, truncated, forged-tag, wrong-address and replayed datagrams at every rank's port during a
     4-process run at zero loss and a generous deadline: the final parameters are those of the same run
