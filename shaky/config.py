@@ -143,6 +143,11 @@ MAX_SCALE_PERIOD = 1000
 """The largest t or d (given or recommended) that ``shaky scale`` and scale sweeps price: the clock simulates
 100 periods per point, so its time grows with them (1000 takes seconds)."""
 
+
+_UNSET_UNWRITTEN = {"unset_unwritten": True}
+"""Field metadata: a setting that :func:`to_dict` leaves out while it holds its default, so that a config that
+does not use it reads and writes as configs did before it existed (a run directory, a sweep's finished runs)."""
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     dataset: str = "digits"
@@ -158,7 +163,7 @@ class DataConfig:
     """Fraction held out for testing (ignored by cifar10, which ships a test split)."""
     max_len: int = 32
     """Tokens per sentence for the text data set (truncated or padded); bytes: the context, bytes per sample."""
-    sha256: str = ""
+    sha256: str = field(default="", metadata=_UNSET_UNWRITTEN)
     """A factory's file's SHA-256, recorded when the run is configured (a resume or sweep refuses a changed file)."""
 
     def __post_init__(self) -> None:
@@ -192,7 +197,7 @@ class ModelConfig:
     ``package.module:factory`` or ``path/to/file.py:factory``, called as ``factory(input_shape, num_classes)``."""
     hidden: int = 0
     """Hidden width of mlp and lstm, gpt's embedding width; 0 picks the model's default (128; gpt 64)."""
-    sha256: str = ""
+    sha256: str = field(default="", metadata=_UNSET_UNWRITTEN)
     """A factory's file's SHA-256, recorded when the run is configured (a resume or sweep refuses a changed file);
     a model given to ``shaky.simulate`` as an object: the digest of its class's source and parameters."""
 
@@ -724,10 +729,12 @@ def parse_value(text: str) -> Any:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as nested plain dicts/lists (tuples become lists), ready for TOML or JSON."""
+    """The config as nested plain dicts/lists (tuples become lists), ready for TOML or JSON. A setting marked
+    :data:`_UNSET_UNWRITTEN` is left out while it holds its default."""
     def plain(v: Any) -> Any:
         if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)
+                    if not (f.metadata.get("unset_unwritten") and getattr(v, f.name) == f.default)}
         if isinstance(v, tuple):
             return [plain(x) for x in v]
         return v
