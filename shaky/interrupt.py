@@ -86,6 +86,9 @@ def raising() -> Iterator[None]:
         return
 
     def handle(signum: int, frame: FrameType | None) -> None:
+        if _importing(frame):   # an exception inside an import can abort the process (C++ code under it)
+            exit_at_once(signum, frame)
+            return
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise Stopped(signum)
@@ -116,12 +119,35 @@ def exit_at_once(signum: int, frame: FrameType | None = None) -> None:
         _held.append(signum)
         return
     name = signal.Signals(signum).name
+    if _quiet:
+        os._exit(128 + signum)
     if _ended is not None:
         _flush()
         os.write(2, f"shaky: {name} received as shaky was ending; {_ended}\n".encode())
         os._exit(_end_code)
     os.write(2, f"shaky: {'interrupted' if signum == signal.SIGINT else f'stopped by {name}'}\n".encode())
     os._exit(128 + signum)
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether the code a signal interrupted is loading a module: an exception raised there can be swallowed by
+    the C code it crosses, or abort the process (torch's pybind11 module init: "terminate called")."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def exit_quietly(signum: int, frame: FrameType | None = None) -> None:
+    """:func:`exit_at_once` without its line: for a process whose parent says why it stopped (a sweep's worker)."""
+    global _quiet
+    _quiet = True
+    exit_at_once(signum, frame)
+
+
+_quiet = False
+"""Set by :func:`exit_quietly`: the exit says nothing."""
 
 
 def _flush() -> None:

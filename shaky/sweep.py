@@ -46,7 +46,7 @@ import tomli_w
 
 from shaky.config import (MAX_SCALE_PERIOD, RunConfig, _build, config_from_dict, load_toml, parse_value, set_dotted,
                           to_dict)
-from shaky.interrupt import Stopped
+from shaky.interrupt import Stopped, exit_quietly
 from shaky.resumable import check_finished, config_digest, summary_fields, values_digest
 from shaky.rundir import (CHECKPOINT_FILE, CONFIG_FILE, RUN_FILES, SUMMARY_FILE, atomic_write, load_run_config,
                           write_json)
@@ -662,6 +662,7 @@ def _run_pool(tasks: list[Task], jobs: int, runner: Callable[[Task], dict[str, A
               outcome: Outcome) -> None:
     # spawn, not fork: a forked child inherits torch's thread pools and locks from the parent.
     ctx = multiprocessing.get_context("spawn")
+    _start_resource_tracker()
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init,
                                initargs=(os.getpid(),))
     pending: dict[Future[dict[str, Any]], tuple[Task, float]] = {}
@@ -708,6 +709,23 @@ def _run_pool(tasks: list[Task], jobs: int, runner: Callable[[Task], dict[str, A
     pool.shutdown(wait=True)
 
 
+def _start_resource_tracker() -> None:
+    """Starts multiprocessing's resource tracker (it removes the pool's semaphores once this process is gone) with
+    its stderr on /dev/null. A sweep stopped at once (a signal while it loads a module, or as it ends: shaky's
+    process ends with ``os._exit``) leaves the semaphores to it, and it would print two lines of warnings after
+    the sweep's one line for each; it removes them all the same."""
+    from multiprocessing import resource_tracker  # noqa: PLC0415
+
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _in_worker(runner: Callable[[Task], dict[str, Any]], parent: int, task: Task) -> dict[str, Any]:
     """``runner(task)`` in a worker process, which exits when the task ends if the sweep process is gone.
 
@@ -715,27 +733,11 @@ def _in_worker(runner: Callable[[Task], dict[str, Any]], parent: int, task: Task
     (``_worker_init``), stops its run after the step with a checkpoint, and would then wait for its next
     task forever: the pool's queues are pipes the worker itself holds both ends of, so no end-of-file
     ever comes. It leaves instead."""
-    global _IN_TASK
-    _IN_TASK = True
     try:
         return runner(task)
     finally:
-        _IN_TASK = False
         if os.getppid() != parent:
             os._exit(1)
-
-
-_IN_TASK = False
-"""Whether this worker process is running a task (:func:`_in_worker`)."""
-
-
-def _worker_sigterm(signum: int, frame: Any) -> None:
-    """A worker's SIGTERM outside a run's loop (whose own watch stops it after a step with a checkpoint): in a task,
-    :class:`~shaky.interrupt.Stopped` where the run is, so that a file being written is removed rather than left
-    half-written (the sweep's next start redoes or resumes the run); between tasks, the worker ends at once."""
-    if _IN_TASK:
-        raise Stopped(signum)
-    os._exit(128 + signum)
 
 
 WORKER_STOP_S = 60.0
@@ -746,15 +748,17 @@ def _worker_init(parent: int) -> None:
     """Runs first in each worker process: it ends with its parent, and leaves Ctrl-C to it.
 
     The kernel sends the worker SIGTERM when the sweep process dies, even by SIGKILL (Linux's
-    PR_SET_PDEATHSIG); the run under way then stops after its step with a checkpoint (:func:`_worker_sigterm`
-    outside its loop). SIGINT is
+    PR_SET_PDEATHSIG); the run under way then stops after its step with a checkpoint, and outside its loop the
+    worker ends at once, but not in the middle of a file write (``shaky.interrupt.exit_quietly``: what it leaves,
+    a run directory being made or a checkpoint without a summary, the sweep's next start redoes or resumes; an
+    exception raised there instead could land in torch's import and abort the process). SIGINT is
     ignored: a Ctrl-C reaches every process of the terminal, and the parent stops the workers itself.
     """
     import ctypes  # noqa: PLC0415
     import signal  # noqa: PLC0415
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _worker_sigterm)
+    signal.signal(signal.SIGTERM, exit_quietly)    # outside a run's loop: at once, but never in a file write
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):  # not Linux: the worker notices its parent is gone at its next task
