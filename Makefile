@@ -37,7 +37,20 @@ test-gpu: $(BIN)/shaky
 EXPERIMENTS := $(wildcard experiments/rps_drop_rate.toml experiments/rps_workers.toml experiments/rps_transport.toml \
 	experiments/risgd.toml experiments/dts_delay.toml experiments/dts_scale.toml)
 EXPERIMENTS += $(filter-out $(EXPERIMENTS),$(wildcard experiments/*.toml))
-reproduce: $(BIN)/shaky
+# The text experiments/gpt_*.toml read (data.path): shaky.data.synthetic_text, the same bytes on every machine,
+# written here (nothing is downloaded) and checked against the SHA-256 their descriptions give, so that runs kept
+# in runs/sweeps are never mixed with runs on other text.
+SYNTHETIC_TEXT := runs/data/synthetic.txt
+SYNTHETIC_BYTES := 1000000
+SYNTHETIC_SHA256 := 6cd340e46d3f44efaba4da00ae6c97eb4edf5ed4e9e2af5db68a2125884eabdf
+$(SYNTHETIC_TEXT): $(BIN)/shaky shaky/data.py
+	@mkdir -p $(@D)
+	$(BIN)/python -c "import hashlib, sys; from shaky.data import synthetic_text; \
+		text = synthetic_text($(SYNTHETIC_BYTES)).encode('ascii'); digest = hashlib.sha256(text).hexdigest(); \
+		sys.exit(f'synthetic_text($(SYNTHETIC_BYTES)) has SHA-256 {digest}, not $(SYNTHETIC_SHA256)') \
+		if digest != '$(SYNTHETIC_SHA256)' else open('$@.tmp', 'wb').write(text)"
+	mv $@.tmp $@
+reproduce: $(BIN)/shaky $(SYNTHETIC_TEXT)
 	$(BIN)/shaky sweep $(EXPERIMENTS) --out runs/sweeps
 	$(BIN)/shaky report $(patsubst experiments/%.toml,runs/sweeps/%,$(EXPERIMENTS)) \
 		--out docs/reproduction --reproduction REPRODUCTION.md

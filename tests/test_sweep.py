@@ -3,8 +3,11 @@ and the paper-scale experiment files on tiny data."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import pytest
 
 from shaky.cli import main
 from shaky.config import config_from_dict
+from shaky.data import synthetic_text
 from shaky.inject import Fault, FaultInjector
 from shaky.sweep import Task, execute, load_sweep, parse_sweep, point_name, run_sweeps
 from shaky.train import prepare, train
@@ -304,3 +308,36 @@ def test_paper_scale_configs_run_on_tiny_data(name: str, data: str, tmp_path: Pa
     assert summary["steps"] == 1 and summary["model"] == ("resnet110" if data == "cifar" else "lstm")
     assert summary["num_workers"] == (16 if data == "cifar" else 8)
     assert 0.0 <= summary["final_test_accuracy"] <= 1.0
+
+
+GPT_EXPERIMENTS = ("gpt_drop_rate", "gpt_diloco")
+
+
+def test_the_gpt_experiments_read_the_text_make_reproduce_writes() -> None:
+    """experiments/gpt_*.toml read the file the Makefile writes from synthetic_text and checks against a SHA-256
+    (so that no download is needed, and kept runs are never mixed with runs on other text): the path, size and
+    digest are the Makefile's in every run and in each description, and synthetic_text's."""
+    var = dict(re.findall(r"^(SYNTHETIC_\w+) := (\S+)$", (ROOT / "Makefile").read_text(), re.M))
+    size, digest = int(var["SYNTHETIC_BYTES"]), var["SYNTHETIC_SHA256"]
+    assert hashlib.sha256(synthetic_text(size).encode("ascii")).hexdigest() == digest
+    for name in GPT_EXPERIMENTS:
+        sweep = load_sweep(ROOT / "experiments" / f"{name}.toml")
+        assert {p.values["data"]["path"] for p in sweep.points} == {var["SYNTHETIC_TEXT"]}, name
+        description = " ".join(sweep.description.split())
+        assert f"{var['SYNTHETIC_TEXT']}, the first {size:,} bytes" in description, name
+        assert f"SHA-256 {digest}" in description, name
+
+
+@pytest.mark.parametrize("name", GPT_EXPERIMENTS)
+def test_gpt_experiments_run_on_tiny_text(name: str, tmp_path: Path) -> None:
+    """The gpt sweeps as written but for the text (20 kB of synthetic_text), 2 steps and one seed."""
+    path = tmp_path / "text.txt"
+    path.write_text(synthetic_text(20_000), encoding="ascii")
+    overrides = [("data.path", str(path)), ("steps", 2), ("eval_every", 1), ("seed", 0)]
+    sweep = load_sweep(ROOT / "experiments" / f"{name}.toml", overrides)
+    outcome = run_sweeps([sweep], tmp_path / "sweeps", jobs=1, progress=False)
+    assert outcome.ran == len(sweep.points) and not outcome.failed, outcome.failed
+    for point in sweep.points:
+        summary = json.loads((tmp_path / "sweeps" / name / point.name / "summary.json").read_text())
+        assert (summary["model"], summary["dataset"], summary["num_workers"], summary["steps"]) == ("gpt", "bytes", 8, 2)
+        assert math.isfinite(summary["final_test_perplexity"]) and not summary["diverged"]
