@@ -81,10 +81,6 @@ def raising() -> Iterator[None]:
     the spot; and :func:`exiting`, the command line's policy outside, ends the process at once). A
     :class:`SignalWatch` entered inside takes precedence while it lasts. A signal the process ignores stays
     ignored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
     def handle(signum: int, frame: FrameType | None) -> None:
         if _importing(frame):   # an exception inside an import can abort the process (C++ code under it)
             exit_at_once(signum, frame)
@@ -93,12 +89,8 @@ def raising() -> Iterator[None]:
             raise KeyboardInterrupt
         raise Stopped(signum)
 
-    old = {s: signal.signal(s, handle) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
-    try:
+    with _handled_by(handle):
         yield
-    finally:
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
 
 
 _writing = 0
@@ -189,15 +181,23 @@ def exiting() -> Iterator[None]:
     swallowed by the C code it interrupts and leave the module half loaded (numpy's lazy submodules then recurse
     without end on their next use), so the start is never interrupted by an exception. A signal the process
     ignores stays ignored."""
+    with _handled_by(exit_at_once):
+        yield
+
+
+@contextlib.contextmanager
+def _handled_by(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """While inside (in the main thread), ``handler`` answers SIGINT and SIGTERM; the handlers before come back on
+    leaving. A signal the process ignores stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, exit_at_once) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    old = {s: signal.signal(s, handler) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
+        for signum, previous in old.items():
+            signal.signal(signum, previous)
 
 
 def run_command(main: Callable[[], int]) -> NoReturn:
@@ -206,8 +206,9 @@ def run_command(main: Callable[[], int]) -> NoReturn:
     teardown, a second or more) restores the default handlers, under which a signal killed a finished run
     without a word (status -15). Nothing is left to do then but the exit functions the modules registered, which
     run first: every file is closed and written."""
-    signal.signal(signal.SIGINT, exit_at_once) if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else None
-    signal.signal(signal.SIGTERM, exit_at_once) if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN else None
+    for signum in SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:    # an ignored signal stays ignored (nohup)
+            signal.signal(signum, exit_at_once)
     code = main()
     ended(_ended or "it had done its work", code if _ended is None else _end_code)
     atexit._run_exitfuncs()     # what the modules asked to run at exit (multiprocessing's semaphores, ...)
