@@ -2,6 +2,13 @@
 against torch's PeriodicModelAverager, with 4 gloo processes on this machine.
 
     .venv/bin/python benchmarks/comm.py [--repeats 15] [--sizes 1e5 1e6 1e7]
+    .venv/bin/python benchmarks/comm.py --udp                 # also RPS over the udp transport (loss 0)
+    python3 benchmarks/comm.py --udp --device cuda           # and udp with the rows on a GPU
+
+``--udp`` adds the udp transport's RPS round (``UdpDistComm.block_average``, the masks it observed; no loss
+but the machine's). ``--device cuda`` adds the same round with each rank's row on the GPU
+(``StagedComm``: copied to pinned host memory, exchanged, copied back, as a GPU rank of ``shaky train``
+does); every rank uses the one GPU, as ranks on a machine with one would.
 
 Prints the median seconds of each operation and the ratios, all measured in this run with
 the operations interleaved (the machine is noisy: compare ratios, not absolute times across runs).
@@ -45,7 +52,8 @@ def _times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list
     return times
 
 
-def _worker(rank: int, port: int, sizes: list[int], repeats: int, results) -> None:
+def _worker(rank: int, port: int, sizes: list[int], repeats: int, results, udp_too: bool = False,
+            device: str = "cpu") -> None:
     torch.set_num_threads(1)
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager  # noqa: PLC0415
 
@@ -59,11 +67,31 @@ def _worker(rank: int, port: int, sizes: list[int], repeats: int, results) -> No
     comm = DistComm()
     links = NetworkModel(NetworkConfig(drop_rate=0.1), WORLD, seed=0).sample(0)
     out = {}
+    udp = staged = None
+    if udp_too:
+        from shaky.comm.staged import StagedComm  # noqa: PLC0415
+        from shaky.comm.udp.comm import UdpDistComm  # noqa: PLC0415
+
+        udp = UdpDistComm(host="127.0.0.1", announce=False)
+        if device != "cpu":
+            staged = StagedComm(udp, torch.device(device))
     for n in sizes:
         x = torch.randn(1, n)
         y = x.clone()
-        measured = _times({"rps": lambda x=x: comm.block_average(x, links.up, links.down),
-                           "all_reduce": lambda y=y: dist.all_reduce(y)}, repeats)
+        fns = {"rps": lambda x=x: comm.block_average(x, links.up, links.down),
+               "all_reduce": lambda y=y: dist.all_reduce(y)}
+        if udp is not None:
+            seg = udp.segment_bytes
+            masks = NetworkModel(NetworkConfig(segment_bytes=seg), WORLD, seed=0, dim=n, itemsize=4).sample(0)
+            fns["udp_rps"] = lambda x=x: udp.block_average(x, masks.up, masks.down, segment_bytes=seg)
+            if staged is not None:
+                xg = x.to(device)
+
+                def on_gpu(xg=xg, masks=masks, seg=seg) -> None:
+                    staged.block_average(xg, masks.up, masks.down, segment_bytes=seg)
+                    torch.cuda.synchronize()
+                fns["udp_rps_gpu"] = on_gpu
+        measured = _times(fns, repeats)
         for name, t in measured.items():
             out[(name, n)] = t
 
@@ -82,6 +110,8 @@ def _worker(rank: int, port: int, sizes: list[int], repeats: int, results) -> No
     out.update(_times({"shaky_averager": ours.step, "torch_averager": torch_round}, repeats))
     if rank == 0:
         results.update(out)
+    if udp is not None:
+        udp.close()
     dist.destroy_process_group()
 
 
@@ -89,16 +119,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e5, 1e6, 1e7])
+    parser.add_argument("--udp", action="store_true", help="also RPS over the udp transport")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: with --udp, also udp RPS "
+                                                        "with the rows on that GPU, staged through pinned memory")
     args = parser.parse_args()
+    if args.device != "cpu":
+        if not args.udp:
+            parser.error("--device needs --udp (the GPU rows are exchanged by the udp transport)")
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: torch sees no CUDA device")
     sizes = [int(s) for s in args.sizes]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_worker, args=(_free_port(), sizes, args.repeats, results), nprocs=WORLD,
-                           start_method="spawn", join=True)
+        mp.start_processes(_worker, args=(_free_port(), sizes, args.repeats, results, args.udp, args.device),
+                           nprocs=WORLD, start_method="spawn", join=True)
         results = dict(results)
     med, fastest = statistics.median, min
-    print(f"{WORLD} gloo processes on 127.0.0.1, torch {torch.__version__}, {args.repeats} repeats, interleaved; "
-          f"load average {os.getloadavg()[0]:.1f}\n")
+    gpu = f", GPU {torch.cuda.get_device_name(torch.device(args.device))}" if args.device != "cpu" else ""
+    print(f"{WORLD} gloo processes on 127.0.0.1, torch {torch.__version__}, {os.cpu_count()} CPUs{gpu}, "
+          f"{args.repeats} repeats, interleaved; load average {os.getloadavg()[0]:.1f}\n")
     print(f"{'float32 values':>15} | {'RPS exchange (s)':>16} | {'all_reduce (s)':>14} | RPS / all_reduce | "
           f"fastest / fastest")
     print(f"{'-' * 15}-|-{'-' * 16}-|-{'-' * 14}-|------------------|------------------")
@@ -106,6 +145,16 @@ def main() -> None:
         rps, ar = results[("rps", n)], results[("all_reduce", n)]
         print(f"{n:>15.0e} | {med(rps):>16.5f} | {med(ar):>14.5f} | {med(rps) / med(ar):>16.2f} | "
               f"{fastest(rps) / fastest(ar):.2f}")
+    for op, what in (("udp_rps", "udp RPS, host rows"), ("udp_rps_gpu", "udp RPS, GPU rows (staged)")):
+        if (op, sizes[0]) not in results:
+            continue
+        print(f"\n{'float32 values':>15} | {what + ' (s)':>30} | {'/ all_reduce':>12} | {'Gbit/s, all ranks':>17}")
+        for n in sizes:
+            t, ar = results[(op, n)], results[("all_reduce", n)]
+            # A round moves 2 (W - 1) / W of the row out of every rank (each rank's blocks to their servers, and
+            # each server's average back): the payload, all ranks together, over the round's time.
+            gbit = WORLD * 2 * (WORLD - 1) / WORLD * n * 4 * 8 / med(t) / 1e9
+            print(f"{n:>15.0e} | {med(t):>30.5f} | {med(t) / med(ar):>12.2f} | {gbit:>17.2f}")
     ours, theirs = results["shaky_averager"], results["torch_averager"]
     print(f"\nlocal-SGD averaging round, 1.01M-parameter MLP: shaky ModelAverager {med(ours):.5f} s, "
           f"torch PeriodicModelAverager {med(theirs):.5f} s, ratio {med(ours) / med(theirs):.2f} "

@@ -480,7 +480,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = ["model", "W", "a ms", "a_grad", "a_step", "a_vmap", "a_alt", "b ms", "c ms", "d ms", "a/c", "b/a",
-            "d/a", "vmap/a", "alt/a", "a/c min", "b/a min", "peak MB", "GPU MB"]
+            "d/a", "vmap/a", "alt/a", "a/c min", "b/a min", "peak MB", "GPU MB", "k tok/s"]
     lines = [cols]
     for r in rows:
         a = r.get("a")
@@ -490,7 +490,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                       _fmt(r.get("d")), _fmt(_ratio(a, r.get("c"))), _fmt(_ratio(r.get("b"), a)),
                       _fmt(_ratio(r.get("d"), a)), _fmt(_ratio(r.get("a_vmap"), a)), _fmt(_ratio(r.get("a_alt"), a)),
                       _fmt(_ratio(r.get("a_min"), r.get("c_min"))),
-                      _fmt(_ratio(r.get("b_min"), r.get("a_min"))), peak, _fmt(r.get("gpu_peak_mb"), 0)])
+                      _fmt(_ratio(r.get("b_min"), r.get("a_min"))), peak, _fmt(r.get("gpu_peak_mb"), 0),
+                      _fmt(None if r.get("tokens_per_s") is None else r["tokens_per_s"] / 1e3, 0)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
     for i, line in enumerate(lines):
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
@@ -598,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                     row["peak_error"] = mem["error"]
                 else:
                     row.update(mem)
+            if case == "gpt":    # every worker's batch of B windows, a target token at each of T positions
+                row["tokens_per_s"] = w * args.batch * shape[0] / (row["a"] / 1e3)
             rows.append(row)
             print(f"  {case} W={w}: a {row['a']:.2f} ms, c {row['c']:.2f} ms, b {row.get('b', float('nan')):.2f} ms "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -619,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
               "inputs; GPU MB: the most it held")
     print(f"\nmedians in ms per round (a = a_grad + a_step; a_vmap: a with the generic vmap grad_fn); "
           f"'min' ratios use each column's fastest round,\nwhich is what a quiet machine would show; peak MB = "
-          f"growth of the peak resident set while (a) runs; load average now {os.getloadavg()[0]:.1f}; "
+          f"growth of the peak resident set while (a) runs; k tok/s (gpt): thousands of tokens (a) trains on "
+          f"per second; load average now {os.getloadavg()[0]:.1f}; "
           f"total {time.perf_counter() - t_start:.0f} s")
     if args.profile:
         for case in models:
