@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/loop.py                     # W = 16 and 64, default settings, 3 repeats
     .venv/bin/python benchmarks/loop.py --variants default OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1
+    .venv/bin/python benchmarks/loop.py --no-busy           # the quiet runs alone
 
 Each repeat runs, one after another so that load from other programs hits them
 alike: ``shaky train --strategy rps --drop-rate 0.1 --workers W --steps STEPS
@@ -10,7 +11,11 @@ steps, the sampler, the masks, the clock and the metrics all included), once per
 variant (``default``: no environment variable set, what a user gets; any other
 variant: ``NAME=VALUE`` pairs joined by ``,`` added to the environment), and
 then ``benchmarks/sim.py``'s limit (c) for the same W (one model at batch
-W x B, forward, backward and an SGD step, torch's default threads). B is 32, the
+W x B, forward, backward and an SGD step, torch's default threads). Unless
+``--no-busy``, every train run is made a second time right after, with another
+program busy on one core beside it (a Python process spinning in a loop: a
+browser tab, a second sweep, a CI job), and the table shows its median against
+the quiet runs' ("busy/quiet"): what a shared machine does to a run. B is 32, the
 default, where the 1,437 training samples of digits give every worker a shard of
 at least 32; beyond 44 workers it is the largest power of two a shard holds (16 at
 W = 64, whose shards hold 22), or ``--batch-size``. A run's
@@ -55,12 +60,23 @@ def batch_for(workers: int, asked: int | None) -> int:
     return batch
 
 
-def train_ms(workers: int, batch: int, steps: int, variant: str, scratch: Path) -> float:
+BUSY = "while True: pass"
+"""The other program of a busy run: one core's worth of work that never sleeps."""
+
+
+def train_ms(workers: int, batch: int, steps: int, variant: str, scratch: Path, busy: bool = False) -> float:
+    """ms per step of one ``shaky train`` run; ``busy``: with a process spinning on one core beside it."""
     out = scratch / f"{variant}-{workers}".replace("=", "_").replace(",", "+")
     cmd = [sys.executable, "-m", "shaky", "train", "--strategy", "rps", "--drop-rate", "0.1", "--workers",
            str(workers), "--batch-size", str(batch), "--steps", str(steps), "--quiet", "--out", str(out)]
     subprocess.run(["rm", "-rf", str(out)], check=True)
-    proc = subprocess.run(cmd, env=_env(variant), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    spinner = subprocess.Popen([sys.executable, "-c", BUSY]) if busy else None
+    try:
+        proc = subprocess.run(cmd, env=_env(variant), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
     if proc.returncode:
         raise SystemExit(f"benchmarks/loop.py: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
@@ -88,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="per worker (default: 32 where digits' shards hold it, else what they hold)")
     parser.add_argument("--variants", nargs="+", default=["default"],
                         help="'default' (no environment variable) or NAME=VALUE[,NAME=VALUE...]")
+    parser.add_argument("--no-busy", action="store_true",
+                        help="skip the runs with another program busy on one core")
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1; got {args.batch_size}")
@@ -95,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"shaky benchmarks/loop.py: {os.cpu_count()} CPUs, digits mlp rps drop 0.1, {args.steps} steps, "
           f"{args.repeats} repeats, load average {os.getloadavg()[0]:.1f}", flush=True)
     runs: dict[tuple[int, str], list[float]] = {}
+    busy: dict[tuple[int, str], list[float]] = {}
     limits: dict[int, list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="shaky-loop-") as tmp:
         scratch = Path(tmp)
@@ -102,11 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             for w in args.workers:
                 for v in args.variants:
                     runs.setdefault((w, v), []).append(train_ms(w, batches[w], args.steps, v, scratch))
+                    if not args.no_busy:
+                        busy.setdefault((w, v), []).append(train_ms(w, batches[w], args.steps, v, scratch, busy=True))
                 limits.setdefault(w, []).append(limit_ms(w, batches[w], scratch))
-                print(f"  repeat {r + 1} W={w} B={batches[w]}: " + ", ".join(f"{v} {runs[(w, v)][-1]:.2f}" for v in args.variants)
-                      + f", c {limits[w][-1][0]:.2f} ms", flush=True)
+                print(f"  repeat {r + 1} W={w} B={batches[w]}: "
+                      + ", ".join(f"{v} {runs[(w, v)][-1]:.2f}" + (f" (busy {busy[(w, v)][-1]:.2f})" if busy else "")
+                                  for v in args.variants) + f", c {limits[w][-1][0]:.2f} ms", flush=True)
     print()
-    header = f"{'W':>3} {'B':>3}  {'variant':<32} {'ms/step':>8} {'min':>6} {'c ms':>6} {'c min':>6} {'ratio':>6} {'min ratio':>9}"
+    header = (f"{'W':>3} {'B':>3}  {'variant':<32} {'ms/step':>8} {'min':>6} {'c ms':>6} {'c min':>6} {'ratio':>6} "
+              f"{'min ratio':>9}" + (f" {'busy ms':>8} {'busy max':>8} {'busy/quiet':>10}" if busy else ""))
     print(header)
     print("-" * len(header))
     for w in args.workers:
@@ -115,9 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         for v in args.variants:
             ms = statistics.median(runs[(w, v)])
             fastest = min(runs[(w, v)])
-            print(f"{w:>3} {batches[w]:>3}  {v:<32} {ms:>8.2f} {fastest:>6.2f} {c:>6.2f} {c_min:>6.2f} {ms / c:>6.2f} "
-                  f"{fastest / c_min:>9.2f}")
-    print(f"\nratio: median ms per step of shaky train over the median of (c); min ratio: fastest over fastest. "
+            line = (f"{w:>3} {batches[w]:>3}  {v:<32} {ms:>8.2f} {fastest:>6.2f} {c:>6.2f} {c_min:>6.2f} {ms / c:>6.2f} "
+                    f"{fastest / c_min:>9.2f}")
+            if busy:
+                b = statistics.median(busy[(w, v)])
+                line += f" {b:>8.2f} {max(busy[(w, v)]):>8.2f} {b / ms:>10.2f}"
+            print(line)
+    print(f"\nratio: median ms per step of shaky train over the median of (c); min ratio: fastest over fastest; "
+          f"busy: the same runs with a process spinning on one core beside them, busy/quiet their medians' ratio. "
           f"load average now {os.getloadavg()[0]:.1f}")
     return 0
 
