@@ -3,13 +3,15 @@
     .venv/bin/python benchmarks/loop.py                     # W = 16 and 64, default settings, 3 repeats
     .venv/bin/python benchmarks/loop.py --variants default OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1
     .venv/bin/python benchmarks/loop.py --no-busy           # the quiet runs alone
+    .venv/bin/python benchmarks/loop.py --variants default tree=../old   # beside another checkout's shaky
 
 Each repeat runs, one after another so that load from other programs hits them
 alike: ``shaky train --strategy rps --drop-rate 0.1 --workers W --steps STEPS
 --quiet`` on digits with an MLP (the defaults otherwise: evaluation every 50
 steps, the sampler, the masks, the clock and the metrics all included), once per
 variant (``default``: no environment variable set, what a user gets; any other
-variant: ``NAME=VALUE`` pairs joined by ``,`` added to the environment), and
+variant: ``NAME=VALUE`` pairs joined by ``,`` added to the environment; the pair
+``tree=DIR`` runs the shaky of another checkout instead, to compare versions), and
 then ``benchmarks/sim.py``'s limit (c) for the same W (one model at batch
 W x B, forward, backward and an SGD step, torch's default threads). Unless
 ``--no-busy``, every train run is made a second time right after, with another
@@ -37,13 +39,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _pairs(variant: str) -> dict[str, str]:
+    return {} if variant == "default" else dict(pair.partition("=")[::2] for pair in variant.split(","))
+
+
 def _env(variant: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "MALLOC_"))}
-    if variant != "default":
-        for pair in variant.split(","):
-            name, _, value = pair.partition("=")
-            env[name] = value
+    env.update({k: v for k, v in _pairs(variant).items() if k != "tree"})
     return env
+
+
+def _tree(variant: str) -> Path:
+    """The checkout whose shaky a variant runs (``python -m shaky`` imports it from the working directory)."""
+    return Path(_pairs(variant).get("tree", ROOT)).resolve()
 
 
 def batch_for(workers: int, asked: int | None) -> int:
@@ -66,13 +74,14 @@ BUSY = "while True: pass"
 
 def train_ms(workers: int, batch: int, steps: int, variant: str, scratch: Path, busy: bool = False) -> float:
     """ms per step of one ``shaky train`` run; ``busy``: with a process spinning on one core beside it."""
-    out = scratch / f"{variant}-{workers}".replace("=", "_").replace(",", "+")
+    out = scratch / f"{variant}-{workers}".replace("=", "_").replace(",", "+").replace("/", "_")
     cmd = [sys.executable, "-m", "shaky", "train", "--strategy", "rps", "--drop-rate", "0.1", "--workers",
            str(workers), "--batch-size", str(batch), "--steps", str(steps), "--quiet", "--out", str(out)]
     subprocess.run(["rm", "-rf", str(out)], check=True)
     spinner = subprocess.Popen([sys.executable, "-c", BUSY]) if busy else None
     try:
-        proc = subprocess.run(cmd, env=_env(variant), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run(cmd, env=_env(variant), cwd=_tree(variant), capture_output=True, text=True,
+                              timeout=1800)
     finally:
         if spinner is not None:
             spinner.kill()
@@ -107,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-busy", action="store_true",
                         help="skip the runs with another program busy on one core")
     args = parser.parse_args(argv)
+    for v in args.variants:
+        if v != "default" and not all("=" in pair for pair in v.split(",")):
+            parser.error(f"--variants: {v!r} is not 'default' or NAME=VALUE[,NAME=VALUE...]")
+        if not (_tree(v) / "shaky" / "__main__.py").is_file():
+            parser.error(f"--variants: tree={_tree(v)} holds no shaky checkout (shaky/__main__.py)")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1; got {args.batch_size}")
     batches = {w: batch_for(w, args.batch_size) for w in args.workers}

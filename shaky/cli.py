@@ -512,21 +512,22 @@ def process_settings(*, shared_cores: bool = False) -> None:
     process leave the process as it is. They must come before torch loads (OpenMP reads its
     environment then), which is why nothing above this call imports torch.
 
-    * ``shared_cores`` (a torch.distributed rank: other ranks of the run may share this machine's cores):
-      ``OMP_WAIT_POLICY=PASSIVE`` unless set, since OpenMP threads that spin while they wait take the cores
-      from the other processes' working threads (a 2-3x slowdown measured with two runs on two cores).
-      Otherwise OpenMP's own default (spin briefly, then sleep): for a run that has the machine to itself
-      it is 1.2-1.4x faster a step than PASSIVE (an MLP on digits at W = 16 and 64), where waking a
-      sleeping thread costs tens of microseconds per parallel region. ``shaky sweep`` runs one
-      single-threaded process per core, where the policy does not matter.
+    * ``OMP_WAIT_POLICY=PASSIVE`` unless set: an idle OpenMP thread sleeps at once. OpenMP's own default
+      (spin up to about 3 ms, then sleep) is faster on a machine the run has to itself (0.8-1.0x the step
+      time of PASSIVE, an MLP on digits at W = 16 and 64), but when another program keeps one core busy its
+      spinning threads wait for a thread that lost its core: 100x slower a step (173-189 ms against 1.7-4.1
+      on two cores of an idle machine; 4-5x on this noisier VM), where PASSIVE stays within 1.3x of its
+      quiet speed. Thread counts are never changed behind the user's back: they change a conv net's
+      numbers (reductions split per thread), and the policy does not.
     * glibc malloc keeps freed memory: every step allocates and frees the same large tensors, and
       returning them to the OS costs a page fault per 4 KiB per step.
-    * ``shared_cores`` also: ``TORCH_CPP_LOG_LEVEL=ERROR`` unless set. torch.distributed's C++ warns, with a
-      stack trace, about every store request that times out or finds its peer gone; a run that loses a rank
-      says what happened in one line of its own (and live membership waits on the store on purpose).
+    * ``shared_cores`` (a torch.distributed rank): also ``TORCH_CPP_LOG_LEVEL=ERROR`` unless set.
+      torch.distributed's C++ warns, with a stack trace, about every store request that times out or finds
+      its peer gone; a run that loses a rank says what happened in one line of its own (and live membership
+      waits on the store on purpose).
     """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if shared_cores:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from shaky.vectorized import tune_allocator  # noqa: PLC0415
 

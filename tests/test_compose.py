@@ -291,15 +291,21 @@ def test_import_and_averagers_leave_the_process_settings_alone() -> None:
     assert proc.stdout.strip().splitlines()[-1] == "changed: [] tune_allocator calls: []"
 
 
-@pytest.mark.parametrize("shared_cores,policy", [(False, "None"), (True, "PASSIVE")])
-def test_the_command_line_does_tune_the_process(shared_cores: bool, policy: str) -> None:
-    """The counterpart: the CLI entry point makes the process-wide settings (so the check above can fail);
-    a torch.distributed rank, which may share the cores with other ranks, gets OpenMP's passive wait."""
+@pytest.mark.parametrize("shared_cores,given,policy,log_level", [
+    (False, None, "PASSIVE", "None"), (True, None, "PASSIVE", "ERROR"), (False, "ACTIVE", "ACTIVE", "None")])
+def test_the_command_line_does_tune_the_process(shared_cores: bool, given: str | None, policy: str,
+                                                log_level: str) -> None:
+    """The counterpart: the CLI entry point makes the process-wide settings (so the check above can fail).
+    Every shaky command gets OpenMP's passive wait (a spinning thread collapses a run when another program
+    holds a core), unless the environment sets a policy; a torch.distributed rank also quiets c10d's log."""
     code = ("import sys; calls = []; "
             "sys.setprofile(lambda f, e, a: calls.append(1) if e == 'call' and f.f_code.co_name == 'tune_allocator' "
             "else None); from shaky.cli import process_settings; import os; "
-            f"process_settings(shared_cores={shared_cores}); print(os.environ.get('OMP_WAIT_POLICY'), len(calls))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MALLOC_"))}
+            f"process_settings(shared_cores={shared_cores}); print(os.environ.get('OMP_WAIT_POLICY'), "
+            "os.environ.get('TORCH_CPP_LOG_LEVEL'), len(calls))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MALLOC_", "TORCH_CPP_LOG"))}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == [policy, "1"]
+    assert proc.stdout.split() == [policy, log_level, "1"]
