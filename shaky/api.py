@@ -7,10 +7,11 @@ run directory), with the model and the data given as objects instead of named in
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from shaky.config import RunConfig, config_from_dict, to_dict
 from shaky.errors import BadInput, Stop
@@ -20,13 +21,14 @@ from shaky.job.env import JobEnv
 from shaky.rundir import BadCheckpoint, read_summary
 from shaky.setup import Setup, prepare
 from shaky.train import load_run_config, new_run_dir, train
-from shaky.user import dataset_of, object_digest, object_name
+from shaky.user import dataset_of, function_digest, function_name, is_object, object_digest, object_name
 
 __all__ = ["simulate"]
 
 
 def simulate(model: nn.Module, train_data: Any, test_data: Any, config: RunConfig | dict[str, Any] | None = None,
-             *, out: str | Path | None = None, resume: bool = False, progress: bool = True,
+             *, loss: Callable[[Tensor, Tensor], Tensor] | None = None, out: str | Path | None = None,
+             resume: bool = False, progress: bool = True,
              faults: FaultInjector | None = None) -> dict[str, Any] | None:
     """Trains ``model`` on ``train_data`` with every worker, strategy and network ``config`` says, and evaluates
     it on ``test_data``, writing the usual run directory; returns the run's summary (summary.json).
@@ -45,6 +47,10 @@ def simulate(model: nn.Module, train_data: Any, test_data: Any, config: RunConfi
         config: A :class:`~shaky.config.RunConfig` or its dict (``config_from_dict``); None: the defaults. Its
             ``model.name`` and ``data.dataset`` are replaced by ``object:<module>.<class>`` of what is given
             here, and ``model.sha256`` by :func:`shaky.user.object_digest` of ``model``.
+        loss: Each sample's loss, ``loss(logits, y) -> [B]`` (as ``F.cross_entropy(..., reduction="none")``
+            gives), for training and the test loss; None: cross-entropy (or the function the config's
+            ``model.loss`` names). It runs under ``torch.func.vmap`` (every worker at once): torch operations,
+            no control flow on tensor values. Recorded as ``model.loss`` with a digest of its source.
             ``backend = "dist"``: this process is one rank of a torch.distributed job its user started (torchrun;
             RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment), as ``shaky train --backend dist``.
         out: The run directory; None: a fresh ``runs/<class>-<strategy>-w<W>-seed<seed>``. Required on the dist
@@ -62,12 +68,14 @@ def simulate(model: nn.Module, train_data: Any, test_data: Any, config: RunConfi
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch nn.Module, got {type(model).__name__}")
-    cfg, run_dir = _config(model, train_data, config, out, resume)
+    if loss is not None and not callable(loss):
+        raise TypeError(f"loss must be a function loss(logits, y) -> [B], got {type(loss).__name__}")
+    cfg, run_dir = _config(model, train_data, config, out, resume, loss)
     data = dataset_of("data.dataset", cfg.data.dataset, train_data, test_data)
     env = JobEnv.from_environ(os.environ)    # a user's process: no command line read it for us (as RPSAverager)
     dist = cfg.backend == "dist"
     try:
-        setup = prepare(cfg, model=model, data=data, measure=not dist,
+        setup = prepare(cfg, model=model, data=data, measure=not dist, loss=loss,
                         local_rank=int(env.local_rank or 0) if dist else None)
         if dist:
             return _dist(env, setup, run_dir, progress)
@@ -79,9 +87,10 @@ def simulate(model: nn.Module, train_data: Any, test_data: Any, config: RunConfi
 
 
 def _config(model: nn.Module, train_data: Any, config: RunConfig | dict[str, Any] | None, out: str | Path | None,
-            resume: bool) -> tuple[RunConfig, Path]:
+            resume: bool, loss: Callable[[Tensor, Tensor], Tensor] | None) -> tuple[RunConfig, Path]:
     """The run's config, naming the objects given, and its directory."""
     digest = object_digest(model)
+    loss_name, loss_digest = (function_name(loss), function_digest(loss)) if loss is not None else ("", "")
     if resume:
         if out is None or config is not None:
             raise ValueError("resume=True goes on with the run in out (give out) with its saved config "
@@ -91,6 +100,14 @@ def _config(model: nn.Module, train_data: Any, config: RunConfig | dict[str, Any
             raise ValueError(f"resume: {out} was trained from a {cfg.model.name} with sha256 "
                              f"{cfg.model.sha256[:16]}..., and this is a {object_name(model)} with sha256 "
                              f"{digest[:16]}...: give the model it started from (same class, same parameters)")
+        if loss is not None and (cfg.model.loss, cfg.model.loss_sha256) != (loss_name, loss_digest):
+            was = (f"the loss {cfg.model.loss} with sha256 {cfg.model.loss_sha256[:16]}..." if cfg.model.loss
+                   else "cross-entropy")
+            raise ValueError(f"resume: {out} was trained with {was}, and this is {loss_name} with sha256 "
+                             f"{loss_digest[:16]}...: give the loss it started with")
+        if loss is None and is_object(cfg.model.loss):
+            raise ValueError(f"resume: {out} was trained with the loss {cfg.model.loss} given to shaky.simulate: "
+                             "give it again (loss=...)")
         if cfg.backend == "dist":
             raise ValueError(f"resume: {out} is a dist run; resume it from shaky.simulate on the simulator only "
                              "for now (its ranks' config hand-out is shaky train's)")
@@ -103,6 +120,8 @@ def _config(model: nn.Module, train_data: Any, config: RunConfig | dict[str, Any
         raise TypeError(f"config must be a RunConfig, a dict of settings or None, got {type(config).__name__}")
     values = to_dict(config)
     values["model"] = {**values["model"], "name": object_name(model), "sha256": digest}
+    if loss is not None:
+        values["model"].update(loss=loss_name, loss_sha256=loss_digest)
     data_name = "object:tensors" if isinstance(train_data, (tuple, list)) else object_name(train_data)
     values["data"] = {**values["data"], "dataset": data_name, "path": "", "sha256": ""}
     cfg = config_from_dict(values)

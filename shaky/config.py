@@ -93,22 +93,24 @@ def short_name(name: str) -> str:
     return name.rsplit(":", 1)[-1].rsplit(".", 1)[-1] if _is_factory(name) else name
 
 
-def _resolve_factory(section: Any, setting: str) -> None:
+def _resolve_factory(section: Any, setting: str, digest: str = "sha256") -> None:
     """A factory's name checked (its file's path made absolute) and its file's SHA-256 recorded in the section's
-    ``sha256``, which must match the file where it is already set (a resume, a sweep's run): one line where the
-    file changed. A built-in name takes no sha256."""
+    ``digest`` field, which must match the file where it is already set (a resume, a sweep's run): one line where
+    the file changed. A built-in name takes no digest."""
     from shaky import user  # noqa: PLC0415 (no torch)
 
-    name = getattr(section, setting.split(".")[1])
+    section_name, attr = setting.split(".")
+    name, recorded = getattr(section, attr), getattr(section, digest)
     if not _is_factory(name):
-        if section.sha256:
-            raise ValueError(f"{setting.split('.')[0]}.sha256 applies to a factory (module:factory or "
-                             f"file.py:factory), not the built-in {name!r} (got {section.sha256!r})")
+        if recorded:
+            what = f"the built-in {name!r}" if name else "the default (cross-entropy)"
+            raise ValueError(f"{section_name}.{digest} applies to a factory (module:factory or "
+                             f"file.py:factory), not {what} (got {recorded!r})")
         return
     name = user.resolve(setting, name)
-    object.__setattr__(section, setting.split(".")[1], name)
+    object.__setattr__(section, attr, name)
     if not user.is_object(name):
-        object.__setattr__(section, "sha256", user.check_digest(setting, name, section.sha256))
+        object.__setattr__(section, digest, user.check_digest(setting, name, recorded, f"{section_name}.{digest}"))
 
 
 def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False,
@@ -200,6 +202,14 @@ class ModelConfig:
     sha256: str = field(default="", metadata=_UNSET_UNWRITTEN)
     """A factory's file's SHA-256, recorded when the run is configured (a resume or sweep refuses a changed file);
     a model given to ``shaky.simulate`` as an object: the digest of its class's source and parameters."""
+    loss: str = field(default="", metadata=_UNSET_UNWRITTEN)
+    """Each sample's training and test loss: empty for cross-entropy of the logits against the targets (per token
+    for next-token targets, where perplexity is reported too), or a function ``loss(logits, y) -> [B]`` (each
+    sample's loss, as ``F.cross_entropy(..., reduction="none")`` gives) named as ``package.module:function`` or
+    ``path/to/file.py:function``, or given to ``shaky.simulate(loss=...)``. Such a loss runs on the generic vmap
+    path (every worker's loss at once), so it must be written in torch operations vmap can batch."""
+    loss_sha256: str = field(default="", metadata=_UNSET_UNWRITTEN)
+    """``loss``'s file's SHA-256 (a function given to ``shaky.simulate``: of its source), as ``sha256``."""
 
     def __post_init__(self) -> None:
         from shaky.models import MODELS  # noqa: PLC0415
@@ -207,6 +217,10 @@ class ModelConfig:
         if not _is_factory(self.name):
             _check_choice("model.name", self.name, (*MODELS, _FACTORY))
         _resolve_factory(self, "model.name")
+        if self.loss and not _is_factory(self.loss):
+            raise ValueError(f"model.loss must be empty (cross-entropy) or a function (package.module:function, "
+                             f"path/to/file.py:function); got {self.loss!r}")
+        _resolve_factory(self, "model.loss", "loss_sha256")
         if self.hidden < 0:
             raise ValueError(f"model.hidden must be >= 0, got {self.hidden}")
         if self.hidden > MAX_HIDDEN:

@@ -32,7 +32,7 @@ from shaky.network.model import NetworkModel, TraceNetwork
 from shaky.progress import say
 from shaky.rundir import Trace, load_trace
 from shaky.strategies import Strategy, build_strategy
-from shaky.user import check_model, load_data
+from shaky.user import check_model, load_data, load_loss
 from shaky.vectorized import make_functions, worker_logits
 
 
@@ -52,6 +52,8 @@ class Setup:
     device: torch.device
     grad_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     forward_fn: Callable[..., torch.Tensor] = field(repr=False)
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+    """Each sample's loss (``model.loss``); None: cross-entropy."""
     digests: dict[str, str] | None = field(default=None, repr=False)
     """:func:`inputs_digest`, once computed."""
     machines: dict[int, Any] = field(default_factory=dict, repr=False)
@@ -231,7 +233,8 @@ def dataset_on(data: Dataset, device: torch.device) -> Dataset:
 
 
 def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = None,
-            model: torch.nn.Module | None = None, data: Dataset | None = None) -> Setup:
+            model: torch.nn.Module | None = None, data: Dataset | None = None,
+            loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> Setup:
     """Loads data, cuts shards, builds the model, network and strategy; raises ValueError on bad input.
 
     Without ``measure`` a compute time that is not set stays -1 for the caller to fill in (the dist
@@ -239,7 +242,8 @@ def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = No
     :func:`resolve_device`. ``model`` and ``data``: a model and a data set given as objects
     (:func:`shaky.simulate`; ``cfg`` names them ``object:...``): a copy of the model is trained, from its own
     parameters, and the data's splits are the user's. A model that is not one of shaky's own (a factory's, an
-    object) is checked by :func:`shaky.user.check_model`: the simulator must be able to vectorize it."""
+    object) is checked by :func:`shaky.user.check_model`: the simulator must be able to vectorize it. ``loss``:
+    each sample's loss given as an object (``shaky.simulate``); None: the one ``model.loss`` names, if any."""
     dtype = getattr(torch, cfg.dtype)
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
@@ -274,11 +278,13 @@ def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = No
         network: NetworkModel = TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, *_load_trace(cfg))
     else:  # the message size sets how many segments a block has (network.segment_bytes)
         network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed, dim=flat.dim, itemsize=dtype.itemsize)
-    grad_fn, forward_fn = make_functions(model, flat)
-    if ":" in cfg.model.name:     # not one of shaky's own models: can the simulator vectorize it?
-        check_model(cfg.model.name, model, data, grad_fn, forward_fn, flat)
+    if loss is None and cfg.model.loss:
+        loss = load_loss(cfg.model.loss)
+    grad_fn, forward_fn = make_functions(model, flat, loss=loss)
+    if ":" in cfg.model.name or loss is not None:     # the user's code: can the simulator vectorize it?
+        check_model(cfg.model.name, model, data, grad_fn, forward_fn, flat, loss, cfg.model.loss)
     setup = Setup(cfg, data, shards, model, flat, network, build_strategy(cfg), cfg.network.compute_ms,
-                  dtype, device, grad_fn, forward_fn)
+                  dtype, device, grad_fn, forward_fn, loss=loss)
     if setup.compute_ms < 0 and measure:
         setup.compute_ms = measured_compute_ms(setup)
     return setup
@@ -332,7 +338,8 @@ def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, weights: torch.Tens
     diversity's), then the consensus distance, which needs the first.
 
     With a target per position (next-token prediction) accuracy and loss are per token, ``chunk`` counts tokens,
-    and ``test_perplexity`` (exp of the test loss) is reported too."""
+    and ``test_perplexity`` (exp of the test loss) is reported too. A loss of the user's (``model.loss``) is its
+    mean over the test samples, and no perplexity (it need not be a log-likelihood)."""
     x, y = setup.data.x_test, setup.data.y_test
     targets = y.numel()                          # len(y) for a classifier
     chunk = max(1, chunk // max(1, targets // len(y)))
@@ -351,11 +358,15 @@ def evaluate(setup: Setup, params: torch.Tensor, comm: Comm, weights: torch.Tens
         for s in range(0, len(y), chunk):
             xs, ys = x[s:s + chunk], y[s:s + chunk]
             out = setup.forward_fn(mean[0], xs)
-            avg_loss += float(F.cross_entropy(out.flatten(0, -2), ys.reshape(-1), reduction="sum"))
+            if setup.loss is None:
+                avg_loss += float(F.cross_entropy(out.flatten(0, -2), ys.reshape(-1), reduction="sum"))
+            else:
+                avg_loss += float(setup.loss(out, ys).sum())
             avg_correct += float((out.argmax(-1) == ys).sum())
-    row = {"test_accuracy": avg_correct / targets, "test_loss": avg_loss / targets,
+    row = {"test_accuracy": avg_correct / targets,
+           "test_loss": avg_loss / (targets if setup.loss is None else len(y)),
            "worker_test_accuracy": float(worker_acc.wait()[0, 0]), "consensus_distance": float(consensus)}
-    if y.dim() > 1:
+    if y.dim() > 1 and setup.loss is None:
         loss = row["test_loss"]     # exp overflows a float past 709; NaN stays NaN
         row["test_perplexity"] = math.exp(loss) if loss < 700 else math.inf if loss > 0 else loss
     return row

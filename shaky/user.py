@@ -104,11 +104,12 @@ def file_digest(setting: str, name: str) -> str:
         raise ValueError(f"{setting} {name!r}: cannot read {str(path)!r} ({exc.strerror or exc})") from None
 
 
-def check_digest(setting: str, name: str, recorded: str) -> str:
-    """The file's digest, which must be ``recorded`` where that is set (a resume, a sweep's run, a copied
-    config): a ValueError in one line where the file changed."""
+def check_digest(setting: str, name: str, recorded: str, field: str | None = None) -> str:
+    """The file's digest, which must be ``recorded`` (the setting ``field``, by default the section's ``sha256``)
+    where that is set (a resume, a sweep's run, a copied config): a ValueError in one line where the file
+    changed."""
     digest = file_digest(setting, name)
-    field = setting.rsplit(".", 1)[0] + ".sha256"
+    field = field or setting.rsplit(".", 1)[0] + ".sha256"
     if recorded and recorded != digest:
         raise ValueError(f"{field} is {recorded[:16]}... but {str(source_file(setting, name))!r} now has sha256 "
                          f"{digest[:16]}...: the file changed since the run was configured, and a resume or a sweep "
@@ -195,6 +196,40 @@ def object_name(obj: Any) -> str:
     return f"{OBJECT_PREFIX}{cls.__module__}.{cls.__qualname__}"
 
 
+def function_name(fn: Any) -> str:
+    """``object:<module>.<name>``: how config.toml names a loss given to ``shaky.simulate`` (a function, or a
+    callable object such as ``nn.CrossEntropyLoss(reduction="none")``: its class)."""
+    if inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isbuiltin(fn):
+        return f"{OBJECT_PREFIX}{fn.__module__}.{fn.__qualname__}"
+    return object_name(fn)
+
+
+def function_digest(fn: Any) -> str:
+    """SHA-256 of a loss given as a Python object: its name and source (where Python cannot find the source, its
+    compiled code), and for a callable object its class's source, parameters and ``repr`` (its settings)."""
+    h = hashlib.sha256(function_name(fn).encode())
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else None
+    if target is None:
+        h.update(object_digest(fn).encode())
+        h.update(repr(fn).encode())
+        return h.hexdigest()
+    try:
+        h.update(inspect.getsource(target).encode())
+    except (OSError, TypeError):
+        code = getattr(target, "__code__", None)
+        h.update(code.co_code if code is not None else repr(target).encode())
+    return h.hexdigest()
+
+
+def load_loss(name: str) -> Callable[..., Any]:
+    """The loss ``model.loss`` names (a function in a module or file); one line where it is an object only
+    ``shaky.simulate`` can give again."""
+    if is_object(name):
+        raise ValueError(f"model.loss {name!r} was given to shaky.simulate as a Python object, which only that call "
+                         "can give again (shaky.simulate(model, train, test, loss=..., out=DIR, resume=True))")
+    return load_factory("model.loss", name)
+
+
 def object_digest(model: Any) -> str:
     """SHA-256 of a model object: its class's source (where Python can find it) and its parameters' names,
     shapes, dtypes and values. A resume through :func:`shaky.simulate` must be given the same."""
@@ -275,11 +310,13 @@ def load_data(name: str, seed: int) -> Any:
 
 
 def check_model(name: str, model: Any, data: Any, grad_fn: Callable[..., Any],
-                forward_fn: Callable[..., Any], flat: Any) -> None:
+                forward_fn: Callable[..., Any], flat: Any, loss: Callable[..., Any] | None = None,
+                loss_name: str = "") -> None:
     """Refuses, in one line, a model the simulator cannot train as a pure function of its parameters: one with
     buffers (BatchNorm's running statistics, updated in place by every forward pass), one whose output is not
     logits for the data's targets, or one that vmap cannot run (control flow on the values of tensors,
-    randomness such as dropout's): its gradient is tried on two workers and two samples."""
+    randomness such as dropout's): its gradient is tried on two workers and two samples. A ``loss`` of the
+    user's must give each sample's loss, ``[B]``, and be vmap's to batch too."""
     import torch  # noqa: PLC0415
 
     instead = ("the simulator trains each worker's model as a pure function of its parameters, "
@@ -306,10 +343,22 @@ def check_model(name: str, model: Any, data: Any, grad_fn: Callable[..., Any],
         got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"model.name {name!r} returns {got} for {n} samples; the targets need logits {want} "
                          f"with C >= {data.num_classes} (the data's classes)")
+    if loss is not None:
+        try:
+            with torch.no_grad():
+                values = loss(out, y)
+        except Exception as exc:  # noqa: BLE001 - the user's loss
+            raise ValueError(f"model.loss {loss_name!r} fails on the logits {list(out.shape)} of {n} samples "
+                             f"({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
+        if not isinstance(values, torch.Tensor) or values.shape != (n,) or not values.is_floating_point():
+            got = list(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(f"model.loss {loss_name!r} returns {got} for {n} samples; it must return each "
+                             f"sample's loss, [{n}] (as F.cross_entropy(..., reduction='none'))")
     try:
         grad_fn(row[None].repeat(2, 1), x[None].repeat(2, *[1] * x.dim()), y[None].repeat(2, *[1] * y.dim()),
                 torch.ones(2, n, dtype=row.dtype, device=row.device))
     except Exception as exc:  # noqa: BLE001 - vmap's refusals are RuntimeErrors and ValueErrors of many kinds
-        raise ValueError(f"model.name {name!r} cannot be vectorized over the workers by torch.func.vmap "
+        what = f"model.name {name!r}" + (f" with model.loss {loss_name!r}" if loss is not None else "")
+        raise ValueError(f"{what} cannot be vectorized over the workers by torch.func.vmap "
                          f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): {instead}; write its "
                          "forward pass without control flow on tensor values, in-place updates or dropout") from None

@@ -76,20 +76,25 @@ def sample_losses(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return per_token.view(y.shape).flatten(1).mean(dim=1)
 
 
-def generic_functions(model: nn.Module, flat: FlatParams) -> tuple[GradFn, ForwardFn]:
-    """The reference path: ``vmap(grad_and_value(loss))`` over the parameter rows, for any model."""
+def generic_functions(model: nn.Module, flat: FlatParams,
+                      per_sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = sample_losses
+                      ) -> tuple[GradFn, ForwardFn]:
+    """The reference path: ``vmap(grad_and_value(loss))`` over the parameter rows, for any model; ``per_sample``
+    gives each sample's loss ``[B]`` from the logits and the targets (:func:`sample_losses`, or a user's)."""
 
     def logits(row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return functional_call(model, flat.unflatten(row), (x,))
 
     def loss(row: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # The mean over the worker's real samples; padding slots (mask 0) weigh nothing.
-        return (sample_losses(logits(row, x), y) * mask).sum() / mask.sum()
+        return (per_sample(logits(row, x), y) * mask).sum() / mask.sum()
 
     return vmap(grad_and_value(loss)), logits
 
 
-def make_functions(model: nn.Module, flat: FlatParams, *, compile: bool = False) -> tuple[GradFn, ForwardFn]:
+def make_functions(model: nn.Module, flat: FlatParams, *, compile: bool = False,
+                   loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                   ) -> tuple[GradFn, ForwardFn]:
     """The fastest ``(grad_fn, forward_fn)`` pair for ``model``, with the semantics of :func:`generic_functions`.
 
     Args:
@@ -101,11 +106,17 @@ def make_functions(model: nn.Module, flat: FlatParams, *, compile: bool = False)
             for the MLP and CNN, and for ResNet-20 it paid back after about 300
             steps but its gradients differ from eager by up to 7e-4 (see
             ``docs/performance.md``).
+        loss: Each sample's loss from the logits and the targets (``model.loss``); None: cross-entropy. The
+            specialised paths compute cross-entropy's gradient by hand, so a loss of the user's takes the
+            generic path.
 
     Returns:
         ``grad_fn`` (see :data:`GradFn`) and ``forward_fn`` (see :data:`ForwardFn`;
         the generic functional call, so ``vmap(forward_fn, in_dims=(0, None))`` works).
     """
+    if loss is not None:
+        generic_grad, forward_fn = generic_functions(model, flat, loss)
+        return (torch.compile(generic_grad, dynamic=False) if compile else generic_grad), forward_fn
     generic_grad, forward_fn = generic_functions(model, flat)
     fast = _build_fast(model, flat)
     if fast is None:

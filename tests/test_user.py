@@ -86,6 +86,21 @@ class Branches(nn.Module):
         return out if out.sum() > 0 else -out
 
 
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy written out by hand: the default loss, as a user's own (``model.loss``)."""
+    return torch.logsumexp(logits, dim=-1) - logits.gather(-1, y[:, None])[:, 0]
+
+
+def smoothed(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Label smoothing 0.2: another loss, for the loss factory on the command line."""
+    return torch.nn.functional.cross_entropy(logits, y, reduction="none", label_smoothing=0.2)
+
+
+def mean_only(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A loss reduced to its mean: it cannot weigh the samples of a worker's batch."""
+    return torch.nn.functional.cross_entropy(logits, y)
+
+
 CONFIG: dict[str, Any] = {"num_workers": 4, "steps": 40, "batch_size": 8, "eval_every": 20,
                           "network": {"compute_ms": 1.0}}
 
@@ -156,6 +171,55 @@ def test_a_resume_is_bit_identical_and_needs_the_same_model(tmp_path: Path) -> N
         k: v for k, v in whole.items() if k != "wall_time_s"}
     assert no_wall_time(read_metrics(tmp_path / "crashed")) == no_wall_time(read_metrics(tmp_path / "whole"))
     assert torch.equal(load_checkpoint(tmp_path / "crashed")["params"], load_checkpoint(tmp_path / "whole")["params"])
+
+
+def test_a_loss_of_your_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``loss=``: cross-entropy written by hand trains what the default trains (float64, 1e-12, on the generic
+    path); another loss trains other numbers; config.toml records it; a resume needs the same loss; a loss that
+    returns its mean is refused in one line before anything is written; ``--set model.loss=file.py:function``
+    on the command line trains what the same function trains from Python."""
+    train, test = blobs()
+    cfg = config(dtype="float64", network={"drop_rate": 0.1}, checkpoint_every=10)
+    default = shaky.simulate(model(), train, test, cfg, out=tmp_path / "default", progress=False)
+    mine = shaky.simulate(model(), train, test, cfg, loss=cross_entropy, out=tmp_path / "mine", progress=False)
+    torch.testing.assert_close(load_checkpoint(tmp_path / "mine")["params"],
+                               load_checkpoint(tmp_path / "default")["params"], rtol=1e-12, atol=1e-12)
+    assert math.isclose(mine["final_test_loss"], default["final_test_loss"], rel_tol=1e-12)
+    saved = (tmp_path / "mine" / "config.toml").read_text()
+    assert 'loss = "object:test_user.cross_entropy"' in saved and "loss_sha256" in saved
+    assert "loss" not in (tmp_path / "default" / "config.toml").read_text()
+    other = shaky.simulate(model(), train, test, cfg, loss=smoothed, out=tmp_path / "smoothed", progress=False)
+    assert other["final_test_accuracy"] > 0.8 and not math.isclose(other["final_test_loss"], mine["final_test_loss"],
+                                                                   rel_tol=1e-3)
+    with pytest.raises(InterruptedRun):
+        shaky.simulate(model(), train, test, cfg, loss=smoothed, out=tmp_path / "cut", progress=False,
+                       faults=FaultInjector((Fault("stop", 25),)))
+    for wrong, why in ((cross_entropy, "was trained with the loss object:test_user.smoothed"),
+                       (None, "give it again")):
+        with pytest.raises(ValueError, match=why):
+            shaky.simulate(model(), train, test, loss=wrong, out=tmp_path / "cut", resume=True, progress=False)
+    resumed = shaky.simulate(model(), train, test, loss=smoothed, out=tmp_path / "cut", resume=True, progress=False)
+    assert resumed["final_test_loss"] == other["final_test_loss"]
+    with pytest.raises(ValueError, match=r"returns \[\] for 2 samples; it must return each sample's loss") as exc:
+        shaky.simulate(model(), train, test, cfg, loss=mean_only, out=tmp_path / "bad", progress=False)
+    assert "\n" not in str(exc.value) and not (tmp_path / "bad").exists()
+
+    from shaky.cli import main  # noqa: PLC0415
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(__file__, tmp_path / "mine.py")
+    args = ["train", "--model", "mine.py:skip_net", "--dataset", "mine.py:blobs", "--workers", "4", "--steps", "40",
+            "--batch-size", "8", "--eval-every", "20", "--set", "network.compute_ms=1.0", "--set", "dtype=float64",
+            "--set", "network.drop_rate=0.1", "--quiet"]
+    assert main([*args, "--set", "model.loss=mine.py:smoothed", "--out", "cli"]) == 0
+    py = shaky.simulate(model(), train, test, config(dtype="float64", network={"drop_rate": 0.1}), loss=smoothed,
+                        out=tmp_path / "py", progress=False)
+    assert read_metrics(tmp_path / "cli")[-1]["test_loss"] == py["final_test_loss"]
+    capsys.readouterr()
+    assert main([*args, "--set", "model.loss=mine.py:mean_only", "--out", "cli-bad"]) == 2
+    assert "must return each sample's loss" in _one_error_line(capsys)
+    assert not (tmp_path / "cli-bad").exists()
 
 
 def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
