@@ -246,9 +246,13 @@ def _column(metric: str) -> str:
 
 
 def sweep_table(runs: SweepRuns) -> str:
-    """One row per setting of the varying grid keys: the mean ± sd over the rest (the seeds)."""
+    """One row per setting of the varying grid keys: the mean ± sd over the rest (the seeds). The default columns
+    have the test perplexity after the loss where the runs predict next tokens (as :func:`summary_table`)."""
     keys = runs.varying()
-    metrics = runs.sweep.table or _DEFAULT_TABLE[runs.sweep.kind]
+    metrics = list(runs.sweep.table or _DEFAULT_TABLE[runs.sweep.kind])
+    if (not runs.sweep.table and "final_test_loss" in metrics
+            and any(s.get("final_test_perplexity") is not None for s in runs.summaries.values())):
+        metrics.insert(metrics.index("final_test_loss") + 1, "final_test_perplexity")
     header = keys + ["runs"] + [_column(m) for m in metrics]
     body = []
     for key, members in _groups(runs.sweep.points, keys):

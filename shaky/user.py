@@ -153,6 +153,11 @@ def _load_file(setting: str, name: str, path: Path) -> Any:
             raise ValueError(f"{setting} {name!r}: {str(path)!r} cannot be loaded as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module     # dataclasses and pickling look their module up there
+        # Its own imports of modules beside it (``from mynets import Net``) find them, as when Python runs the
+        # file; last on the path, so that nothing there hides a module of the same name (the digest is the
+        # file's alone: a change beside it goes unseen, as a change in an imported package does).
+        if str(path.resolve().parent) not in sys.path:
+            sys.path.append(str(path.resolve().parent))
         try:
             spec.loader.exec_module(module)
         except BaseException:

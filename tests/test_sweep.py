@@ -3,6 +3,7 @@ and the paper-scale experiment files on tiny data."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -341,3 +342,10 @@ def test_gpt_experiments_run_on_tiny_text(name: str, tmp_path: Path) -> None:
         summary = json.loads((tmp_path / "sweeps" / name / point.name / "summary.json").read_text())
         assert (summary["model"], summary["dataset"], summary["num_workers"], summary["steps"]) == ("gpt", "bytes", 8, 2)
         assert math.isfinite(summary["final_test_perplexity"]) and not summary["diverged"]
+    # Without the file's own table, a sweep of language-model runs shows the perplexity after the loss.
+    from shaky.report import SweepRuns, sweep_table  # noqa: PLC0415
+
+    runs = SweepRuns(tmp_path / "sweeps" / name)
+    runs.sweep = dataclasses.replace(runs.sweep, table=())
+    header = [cell.strip() for cell in sweep_table(runs).splitlines()[0].strip("|").split("|")]
+    assert header[header.index("test loss") + 1] == "perplexity", header

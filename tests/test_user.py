@@ -222,6 +222,21 @@ def test_a_loss_of_your_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert not (tmp_path / "cli-bad").exists()
 
 
+def test_a_factory_file_imports_a_module_beside_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``file.py:factory`` where the file imports a module of its own directory, as its author runs it."""
+    from shaky.cli import main  # noqa: PLC0415
+
+    (tmp_path / "nets").mkdir()
+    shutil.copy(__file__, tmp_path / "nets" / "shaky_test_user_sibling.py")
+    (tmp_path / "nets" / "factories.py").write_text("from shaky_test_user_sibling import blobs, skip_net\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main(["train", "--model", "nets/factories.py:skip_net", "--dataset", "nets/factories.py:blobs",
+                 "--workers", "2", "--steps", "4", "--batch-size", "8", "--eval-every", "4", "--set",
+                 "network.compute_ms=1.0", "--quiet", "--out", "run"]) == 0
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+
 def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
