@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import socket
 import statistics
 import time
@@ -94,6 +95,10 @@ def _worker(rank: int, port: int, sizes: list[int], repeats: int, results, udp_t
         measured = _times(fns, repeats)
         for name, t in measured.items():
             out[(name, n)] = t
+        del x, y, fns
+    # The peak resident set of every rank over the rounds (before the averagers' part): Python, torch and the
+    # largest size's rows with whatever each operation allocates.
+    results[("peak_mb", rank)] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     # One local-SGD averaging round of a ~1M-parameter model: shaky's averager vs torch's.
     model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.ReLU(), torch.nn.Linear(1000, 10))
@@ -155,6 +160,9 @@ def main() -> None:
             # each server's average back): the payload, all ranks together, over the round's time.
             gbit = WORLD * 2 * (WORLD - 1) / WORLD * n * 4 * 8 / med(t) / 1e9
             print(f"{n:>15.0e} | {med(t):>30.5f} | {med(t) / med(ar):>12.2f} | {gbit:>17.2f}")
+    peaks = [results[("peak_mb", r)] for r in range(WORLD)]
+    print(f"\npeak resident memory of each rank over the rounds: {', '.join(f'{m:.0f}' for m in peaks)} MB "
+          f"(a {max(sizes):.0e}-value float32 row is {max(sizes) * 4 / 2**20:.0f} MB)")
     ours, theirs = results["shaky_averager"], results["torch_averager"]
     print(f"\nlocal-SGD averaging round, 1.01M-parameter MLP: shaky ModelAverager {med(ours):.5f} s, "
           f"torch PeriodicModelAverager {med(theirs):.5f} s, ratio {med(ours) / med(theirs):.2f} "

@@ -67,7 +67,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shaky.comm.sim import SimComm  # noqa: E402
 from shaky.config import NetworkConfig, OptimConfig  # noqa: E402
-from shaky.geometry import block_sizes  # noqa: E402
 from shaky.models import FlatParams, build_model  # noqa: E402
 from shaky.network.faults import Membership, Round  # noqa: E402
 from shaky.network.model import NetworkModel  # noqa: E402

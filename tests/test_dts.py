@@ -13,7 +13,7 @@ from shaky.config import OptimConfig, StrategyConfig
 from shaky.geometry import LinkSample
 from shaky.strategies import SGD, REGISTRY
 
-from conftest import everyone, make_config, run, stop_at
+from conftest import everyone, make_config, run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -114,7 +114,7 @@ def test_period_and_delay_compose(t: int, d: int) -> None:
 
 def test_a_lost_block_keeps_the_workers_own_update() -> None:
     """The averages go through the lossy block exchange: a worker that misses a block keeps its own."""
-    w, dim = 3, 6  # blocks of 2 values, served by workers 0, 1, 2
+    w = 3  # blocks of 2 values (6 in all), served by workers 0, 1, 2
     up = torch.ones(w, w, dtype=torch.bool)
     up[2, 0] = False     # server 0 averages block 0 over workers 0 and 1 only
     down = torch.ones(w, w, dtype=torch.bool)

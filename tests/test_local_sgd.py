@@ -13,14 +13,13 @@ from shaky.cli import main
 from shaky.comm.sim import SimComm
 from shaky.config import FailureConfig
 from shaky.data import assign_chunks, coverage, partition
-from shaky.geometry import LinkSample
 from shaky.network.faults import FailureSchedule
 from shaky.rundir import load_checkpoint
 from shaky.setup import gradient_diversity
 from shaky.strategies.state import map_rows
 from shaky.train import BatchSampler, InterruptedRun, prepare, train
 
-from conftest import everyone, make_config, run, stop_at
+from conftest import make_config, run, stop_at
 
 
 def test_ri_sgd_with_q1_equals_local_sgd(tmp_run) -> None:

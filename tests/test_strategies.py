@@ -13,7 +13,7 @@ from shaky.config import NetworkConfig, OptimConfig, StrategyConfig
 from shaky.network.model import NetworkModel
 from shaky.strategies import REGISTRY, SGD
 
-from conftest import everyone, make_config, run, stop_at, train_by_hand
+from conftest import everyone, make_config, run, train_by_hand
 
 
 @pytest.mark.parametrize("workers", [1, 4, 8])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.func import vmap
 
 from shaky.models import MODELS, FlatParams, build_model
-from shaky.vectorized import (BatchedGradFn, _fold, fast_path, generic_functions, make_functions, tune_allocator,
+from shaky.vectorized import (BatchedGradFn, _fold, fast_path, generic_functions, make_functions,
                               worker_logits)
 
 NUM_CLASSES = 10
