@@ -162,7 +162,7 @@ def main() -> None:
             print(f"{n:>15.0e} | {med(t):>30.5f} | {med(t) / med(ar):>12.2f} | {gbit:>17.2f}")
     peaks = [results[("peak_mb", r)] for r in range(WORLD)]
     print(f"\npeak resident memory of each rank over the rounds: {', '.join(f'{m:.0f}' for m in peaks)} MB "
-          f"(a {max(sizes):.0e}-value float32 row is {max(sizes) * 4 / 2**20:.0f} MB)")
+          f"(a {max(sizes):.0e}-value float32 row is {max(sizes) * 4 / 2**20:.1f} MB)")
     ours, theirs = results["shaky_averager"], results["torch_averager"]
     print(f"\nlocal-SGD averaging round, 1.01M-parameter MLP: shaky ModelAverager {med(ours):.5f} s, "
           f"torch PeriodicModelAverager {med(theirs):.5f} s, ratio {med(ours) / med(theirs):.2f} "
