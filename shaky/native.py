@@ -37,6 +37,7 @@ def _load() -> ctypes.CDLL | None:
         lib.shaky_mac_init.argtypes, lib.shaky_mac_init.restype = [p, ctypes.c_char_p, size], ctypes.c_int
         lib.shaky_mac_free.argtypes, lib.shaky_mac_free.restype = [p], None
         lib.shaky_tags.argtypes, lib.shaky_tags.restype = [p, p, size, p, size, size, p], None
+        lib.shaky_pack.argtypes, lib.shaky_pack.restype = [p, p, size, p, p, size, size, size], None
         lib.shaky_drain.argtypes = [ctypes.c_int, p, p, p, size, ctypes.c_int, ctypes.c_int, p, size, ctypes.c_int, p, p,
                                      p]
         lib.shaky_drain.restype = ctypes.c_long

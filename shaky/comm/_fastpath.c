@@ -203,6 +203,20 @@ void shaky_tags(shaky_mac *m, const uint8_t *buf, size_t stride, const uint32_t 
         gmac(m, buf + i * stride, lengths ? lengths[i] : length, out + i * SHAKY_TAG_BYTES);
 }
 
+/* A block's datagrams in one pass: row k of out (rows of `size` bytes) is header k (headers: 36 bytes a row), then
+ * the block's bytes k * psize on (psize of them, or what is left for the last row), then its tag; `nrows` rows
+ * for the `nbytes` at src. Each row's tag is computed while its bytes are still in the cache. */
+void shaky_pack(shaky_mac *m, uint8_t *out, size_t size, const uint8_t *headers, const uint8_t *src, size_t nbytes,
+                size_t psize, size_t nrows) {
+    for (size_t k = 0; k < nrows; k++) {
+        uint8_t *row = out + k * size;
+        size_t n = nbytes - k * psize < psize ? nbytes - k * psize : psize;
+        memcpy(row, headers + k * SHAKY_HEADER_BYTES, SHAKY_HEADER_BYTES);
+        memcpy(row + SHAKY_HEADER_BYTES, src + k * psize, n);
+        gmac(m, row, SHAKY_HEADER_BYTES + n, row + SHAKY_HEADER_BYTES + n);
+    }
+}
+
 /* One round of one exchange as the receive path needs it (shaky/comm/udp/exchange.py's _Round fills it in;
  * ctypes.Structure _CRound mirrors it). Entry e = (phase - 1) * W * W + block * W + sender: where that
  * sender's segments of that block go in that phase (dest, 0: nowhere, i.e. anything of it is for Python's

@@ -522,19 +522,14 @@ class UdpExchange:
         rows = buf.reshape(nseg, size)
         whole = values.size // seg
         raw = values.view(np.uint8)
-        if whole:
-            rows[:whole, HEADER.size:HEADER.size + psize] = raw[:whole * psize].reshape(whole, psize)
         last_len = raw.size - whole * psize     # bytes in a shorter last segment (0: none)
-        if last_len:
-            rows[whole, HEADER.size:HEADER.size + last_len] = raw[whole * psize:]
-        rows[:, :HEADER.size] = state.headers(phase, block, self.rank)
         flat = memoryview(buf)
-        if whole:
-            tags = self._mac.tags(flat, range(0, whole * size, size), size - TAG_BYTES)
-            rows[:whole, size - TAG_BYTES:] = np.frombuffer(tags, np.uint8).reshape(whole, TAG_BYTES)
-        if last_len:
-            o, end = whole * size, whole * size + HEADER.size + last_len
-            flat[end:end + TAG_BYTES] = self._mac.tag(flat[o:end])
+        if self._fast:      # headers, payloads and tags in one pass in C
+            heads = state.headers(phase, block, self.rank)
+            FASTPATH.shaky_pack(self._mac._cp, buf.ctypes.data, size, heads.ctypes.data, values.ctypes.data, raw.size,
+                                psize, nseg)
+        else:
+            self._pack_rows(rows, flat, state.headers(phase, block, self.rank), raw, whole, psize, last_len)
         last = OVERHEAD_BYTES + last_len if last_len else size
         repeat = None
         if rows[-1, 5] & FLAG_FINAL:        # the stream's very last datagram: its copy, flagged and tagged
@@ -543,6 +538,22 @@ class UdpExchange:
             copy[-TAG_BYTES:] = self._mac.tag(memoryview(copy)[:-TAG_BYTES])
             repeat = bytes(copy)
         return _Packed(flat, size, nseg, last, phase, block, repeat, buf.ctypes.data)
+
+    def _pack_rows(self, rows: np.ndarray, flat: memoryview, heads: np.ndarray, raw: np.ndarray, whole: int,
+                   psize: int, last_len: int) -> None:
+        """:meth:`_pack`'s rows in Python and numpy: payloads, headers, then the tags."""
+        size = rows.shape[1]
+        if whole:
+            rows[:whole, HEADER.size:HEADER.size + psize] = raw[:whole * psize].reshape(whole, psize)
+        if last_len:
+            rows[whole, HEADER.size:HEADER.size + last_len] = raw[whole * psize:]
+        rows[:, :HEADER.size] = heads
+        if whole:
+            tags = self._mac.tags(flat, range(0, whole * size, size), size - TAG_BYTES)
+            rows[:whole, size - TAG_BYTES:] = np.frombuffer(tags, np.uint8).reshape(whole, TAG_BYTES)
+        if last_len:
+            o, end = whole * size, whole * size + HEADER.size + last_len
+            flat[end:end + TAG_BYTES] = self._mac.tag(flat[o:end])
 
     def _send_all(self, jobs: list[tuple[int, int, _Packed]], state: _Round, *, phase: int) -> None:
         """Sends every job's datagrams, one batch per destination in turn, receiving between batches."""
