@@ -141,7 +141,7 @@ class _Mac:
     ctypes, the same bytes.
     """
 
-    __slots__ = ("_key", "_c", "_cp", "_lib", "_ctxs", "__weakref__")
+    __slots__ = ("_key", "_c", "_cp", "_lib", "_ctxs", "_n", "_scratch", "_out", "__weakref__")
 
     def __init__(self, key: bytes, compiled: bool = False) -> None:
         if len(key) != KEY_BYTES:
@@ -150,6 +150,8 @@ class _Mac:
         self._c = None
         self._lib = None
         self._ctxs: dict[tuple[int, int, int], int] = {}
+        self._n, self._scratch, self._out = ctypes.byref(ctypes.c_int()), ctypes.create_string_buffer(16), \
+            ctypes.create_string_buffer(TAG_BYTES)
         if compiled and FASTPATH is not None:
             self._c = ctypes.create_string_buffer(FASTPATH.shaky_mac_size())
             FASTPATH.shaky_mac_init(self._c, self._key, len(self._key))
@@ -194,13 +196,13 @@ class _Mac:
         if len(msg) < HEADER.size:
             return bytes(TAG_BYTES)
         sender, run, rnd = _ROUND_KEY_FIELDS.unpack_from(msg, 6)
-        ctx, lib = self._context(run, sender, rnd), self._lib
-        n = ctypes.c_int()
-        scratch = ctypes.create_string_buffer(16)
-        out = ctypes.create_string_buffer(TAG_BYTES)
+        ident = (run, sender, rnd)
+        ctxs = self._ctxs
+        ctx = ctxs[ident] if ident in ctxs else self._context(run, sender, rnd)
+        lib, n, out = self._lib, self._n, self._out
         if (lib.EVP_EncryptInit_ex(ctx, None, None, None, nonce(msg)) != 1
-                or lib.EVP_EncryptUpdate(ctx, None, ctypes.byref(n), msg, len(msg)) != 1
-                or lib.EVP_EncryptFinal_ex(ctx, scratch, ctypes.byref(n)) != 1
+                or lib.EVP_EncryptUpdate(ctx, None, n, msg, len(msg)) != 1
+                or lib.EVP_EncryptFinal_ex(ctx, self._scratch, n) != 1
                 or lib.EVP_CIPHER_CTX_ctrl(ctx, _EVP_CTRL_GCM_GET_TAG, TAG_BYTES, out) != 1):
             return bytes(TAG_BYTES)
         return out.raw
