@@ -1122,7 +1122,7 @@ class _Round:
         lost = ~up[:, :nseg]
         lost[self.me] = False
         if lost.any():   # what a lost segment's buffer holds is stale (maybe NaN): 0 times it must be 0
-            torch.from_numpy(vals).view(self.W, nseg, self.seg)[torch.from_numpy(lost)] = 0
+            vals.reshape(self.W, nseg, self.seg)[lost] = 0
         values = torch.from_numpy(vals[:, :n])
         weights = None if self.weights is None else torch.from_numpy(self.weights)
         arrived = up[:, :nseg]
