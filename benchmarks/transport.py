@@ -122,8 +122,13 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True)
 
 
-def _setup_namespace() -> None:
-    _sh("ip", "link", "set", "lo", "up", "mtu", "1500")
+def _setup_namespace(mtu: int) -> None:
+    _sh("ip", "link", "set", "lo", "up", "mtu", str(mtu))
+
+
+def datagram_bytes(mtu: int) -> int:
+    """The largest UDP datagram an IPv4 path of this MTU carries whole (what ``dist.datagram_bytes`` should be)."""
+    return min(mtu - 28, 65507)
 
 
 def _cut_batches() -> None:
@@ -203,7 +208,7 @@ def _sum_ranks(totals: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, port: int, plan: list[tuple[int, float, list[str]]], repeats: int, timeout_s: float,
-               events: Any) -> None:
+               events: Any, dgram: int = 1472) -> None:
     """One rank: every (size, loss) cell of ``plan``, its operations interleaved; rank 0 sets the rules and
     reports each round's start and each cell's times to the parent."""
     import torch  # noqa: PLC0415
@@ -211,6 +216,7 @@ def _rank_main(rank: int, port: int, plan: list[tuple[int, float, list[str]]], r
 
     from shaky.comm.gloo import DistComm  # noqa: PLC0415
     from shaky.comm.udp.comm import UdpDistComm  # noqa: PLC0415
+    from shaky.comm.udp.exchange import UdpOptions  # noqa: PLC0415
     from shaky.config import NetworkConfig  # noqa: PLC0415
     from shaky.network.model import NetworkModel  # noqa: PLC0415
 
@@ -235,7 +241,8 @@ def _rank_main(rank: int, port: int, plan: list[tuple[int, float, list[str]]], r
                 udp.close()
                 udp = None
             if "udp_rps" in ops and udp is None:
-                udp, udp_size = UdpDistComm(host="127.0.0.1", announce=False), n
+                udp, udp_size = UdpDistComm(host="127.0.0.1", announce=False,
+                                            options=UdpOptions(datagram_bytes=dgram)), n
                 seg = udp.segment_bytes
                 sample = NetworkModel(NetworkConfig(segment_bytes=seg), WORLD, seed=0, dim=n, itemsize=4).sample(0)
             fns: dict[str, Callable[[], object]] = {
@@ -290,7 +297,7 @@ def _dominated(op: str, n: int, p: float, timed_out: set[tuple[str, int, float]]
 
 
 def run_rounds(sizes: list[int], losses: list[float], repeats: int, timeout_s: float,
-               save: Callable[[list[dict[str, Any]]], None]) -> None:
+               save: Callable[[list[dict[str, Any]]], None], dgram: int = 1472) -> None:
     """Every (op, size, loss): its round times, or why there are none; ``save`` gets the rows so far after each
     cell. Restarts the processes after a timeout."""
     ctx = mp.get_context("forkserver")
@@ -320,7 +327,7 @@ def run_rounds(sizes: list[int], losses: list[float], repeats: int, timeout_s: f
             break
         events = ctx.Queue()
         port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, port, plan, repeats, timeout_s, events), daemon=True)
+        procs = [ctx.Process(target=_rank_main, args=(r, port, plan, repeats, timeout_s, events, dgram), daemon=True)
                  for r in range(WORLD)]
         for proc in procs:
             proc.start()
@@ -629,7 +636,8 @@ def report(data: dict[str, Any]) -> None:
         meta = part["meta"]
         gso = "lo's GSO left on: NOT per-packet loss" if meta["gso_max_segs"] is None else "gso_max_segs 1"
         state = f"took {meta['took_s']:.0f} s" if "took_s" in meta else "UNFINISHED"
-        print(f"\n{meta['command']}\n{meta['date']}: {WORLD} processes on a private loopback (mtu 1500, {gso}), "
+        print(f"\n{meta['command']}\n{meta['date']}: {WORLD} processes on a private loopback (mtu "
+              f"{meta.get('mtu', 1500)}, udp datagrams of {meta.get('datagram_bytes', 1472)} bytes, {gso}), "
               f"torch {meta['torch']}, {meta['cores']} cores; {state}, load average {meta['load_before']:.1f} "
               f"before" + (f", {meta['load_after']:.1f} after" if "load_after" in meta else ""))
         if kind == "batched":
@@ -663,6 +671,9 @@ def main() -> int:
     parser.add_argument("--keep-gso", action="store_true",
                         help="leave lo's GSO on throughout: the rounds part measures only its batching-on rows "
                              "(loss 0); a training run's rule then drops whole batches")
+    parser.add_argument("--mtu", type=int, default=1500,
+                        help="lo's MTU (default 1500; 9000: jumbo frames; 65536: loopback's own); the udp rows' "
+                             "datagrams are as large as it allows (MTU - 28 bytes, at most 65507)")
     parser.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     parser.add_argument("--json", type=Path, help="write every measured number here (after every measurement)")
     parser.add_argument("--from-json", type=Path, nargs="+",
@@ -678,6 +689,8 @@ def main() -> int:
             setattr(args, k, v)
     if 0.0 not in args.losses:
         parser.error("--losses must include 0 (the ratios are against loss 0)")
+    if not 576 <= args.mtu <= 65536:
+        parser.error(f"--mtu must be in [576, 65536] (IPv4's least and loopback's most), got {args.mtu}")
 
     if args.from_json is not None:
         data = {}
@@ -706,7 +719,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the parts asked for; with ``--json``, the file holds every number measured so far."""
     import torch  # noqa: PLC0415
 
-    _setup_namespace()
+    _setup_namespace(args.mtu)
+    dgram = datagram_bytes(args.mtu)
     data: dict[str, Any] = {}
     cut = False
 
@@ -717,7 +731,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         meta = {"command": shlex.join([".venv/bin/python", "benchmarks/transport.py", *sys.argv[1:]]),
                 "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
                 "python": platform.python_version(), "cores": os.cpu_count(), "load_before": os.getloadavg()[0],
-                "gso_max_segs": gso_max_segs, "t0": time.perf_counter()}
+                "gso_max_segs": gso_max_segs, "mtu": args.mtu, "datagram_bytes": dgram, "t0": time.perf_counter()}
         data[kind] = {"meta": meta, "rows": []}
         print(f"{kind} ...", flush=True)
         return data[kind]
@@ -743,7 +757,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             save()
             part = start("batched", None)
             part["meta"].update(repeats=args.repeats, timeout_s=args.timeout)
-            run_rounds([int(s) for s in args.sizes], [0.0], args.repeats, args.timeout, keeper(part))
+            run_rounds([int(s) for s in args.sizes], [0.0], args.repeats, args.timeout, keeper(part), dgram)
             done(part)
             if args.keep_gso:
                 continue
@@ -753,7 +767,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         part = start(kind, None if args.keep_gso else 1)
         if kind == "rounds":
             part["meta"].update(repeats=args.repeats, timeout_s=args.timeout)
-            run_rounds([int(s) for s in args.sizes], args.losses, args.repeats, args.timeout, keeper(part))
+            run_rounds([int(s) for s in args.sizes], args.losses, args.repeats, args.timeout, keeper(part), dgram)
         else:
             part["meta"].update(steps=args.steps, timeout_s=args.train_timeout)
             run_training(args.losses, args.steps, args.train_timeout, keeper(part), args.runs)

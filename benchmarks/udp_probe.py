@@ -300,7 +300,7 @@ def probe_cpu() -> None:
 
     print(f"cpu: CPU microseconds per datagram ({n_dgrams} datagrams of {packed.size} bytes, best of 5), "
           f"this process alone")
-    for name, fn in (("pack a block (numpy + tags)", pack), ("receive: GRO batch of 44, _fast_batch", fast),
+    for name, fn in (("pack a block (headers, copies, tags)", pack), ("receive: GRO batch of 44, _fast_batch", fast),
                      ("receive: one at a time, _on_datagram", slow), ("tags alone (AES-256-GMAC)", tags)):
         print(f"  {name:40s} {cpu(fn):6.2f}")
     for ex in exs:

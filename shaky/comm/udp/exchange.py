@@ -108,7 +108,7 @@ def python_path_warning(options: UdpOptions) -> str | None:
     path (None when it uses it, or was told not to)."""
     if options.compiled and FASTPATH is None:
         return ("the udp fast path (shaky/comm/_fastpath.c) was not built by this install: the data plane runs "
-                "in Python, about half as fast (install a C compiler and OpenSSL's headers, e.g. apt-get install "
+                "in Python, several times slower (install a C compiler and OpenSSL's headers, e.g. apt-get install "
                 "gcc libssl-dev, then reinstall shaky)")
     return None
 
