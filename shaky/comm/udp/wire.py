@@ -163,13 +163,16 @@ class _Mac:
                                    "Python does not load (reinstall Python with its ssl and hashlib modules)")
 
     def __del__(self) -> None:
-        if self._c is not None:
-            FASTPATH.shaky_mac_free(self._c)
-            self._c = None
-        if self._lib is not None:
-            for ctx in self._ctxs.values():
-                self._lib.EVP_CIPHER_CTX_free(ctx)
-            self._ctxs = {}
+        try:
+            if self._c is not None:
+                FASTPATH.shaky_mac_free(self._c)
+                self._c = None
+            if self._lib is not None:
+                for ctx in self._ctxs.values():
+                    self._lib.EVP_CIPHER_CTX_free(ctx)
+                self._ctxs = {}
+        except (AttributeError, TypeError):     # at interpreter exit the module's globals may be gone already
+            pass
 
     def _context(self, run: int, sender: int, rnd: int) -> int:
         ident = (run, sender, rnd)
