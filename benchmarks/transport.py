@@ -50,7 +50,7 @@ run keeps what it measured), ``--from-json`` prints and plots them again. docs/t
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import math
 import multiprocessing as mp
@@ -145,9 +145,9 @@ def measure_wire() -> dict[str, Any]:
     """The machine's own UDP limit on this loopback: one process sending 1472-byte datagrams to another with GSO
     (44 a send) and GRO on the receiving socket, from Python (``benchmarks/udp_probe.py``'s wire part, case c):
     Gbit/s of payload that arrived, the best of WIRE_REPEATS."""
-    spec = importlib.util.spec_from_file_location("udp_probe", ROOT / "benchmarks" / "udp_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    if str(ROOT / "benchmarks") not in sys.path:      # so that the spawned processes import it by name too
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    probe = importlib.import_module("udp_probe")
     ctx = mp.get_context("spawn")
     runs = [probe._wire(ctx, senders=1, gso=True, gro=True, total=WIRE_DATAGRAMS) for _ in range(WIRE_REPEATS)]
     best = max(runs)
