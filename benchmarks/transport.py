@@ -6,11 +6,11 @@ loopback drops packets at random (an iptables rule), one RPS round and a whole t
     .venv/bin/python benchmarks/transport.py --part rounds --json runs/transport-rounds.json   # or --part train
     .venv/bin/python benchmarks/transport.py --from-json runs/transport-rounds.json runs/transport-train.json \
         --plot docs/transport.png                           # print and plot again, measure nothing
-    .venv/bin/python benchmarks/transport.py --keep-gso --part rounds --losses 0   # what gso_max_segs 1 costs
+    .venv/bin/python benchmarks/transport.py --keep-gso --part rounds --losses 0   # only the batching-on rows
 
 Needs root, unshare, ip and iptables; without them it prints one line saying what is missing and exits
 with status 2. It re-executes itself under ``unshare --net``: inside, only a loopback exists, with a
-1500-byte MTU and ``gso_max_segs 1``, and the rule
+1500-byte MTU and ``gso_max_segs 1`` (after the batching-on rows, below), and the rule
 
     iptables -A INPUT -i lo -p PROTO -m statistic --mode random --probability P -j DROP
 
@@ -18,14 +18,21 @@ drops the data plane under test: PROTO tcp for the gloo rows, udp for the udp ro
 ``gso_max_segs 1`` makes the kernel cut every GSO batch (UDP's 44-datagram sends, TCP's 64 KB segments) into
 1500-byte packets before the device, so that the rule drops single packets as a real network would, not
 whole batches; it also takes the batching away, which makes both transports slower than on a NIC that
-offloads it (``--keep-gso --losses 0`` shows how much slower).
+offloads it. So the rounds part first measures, on the same loopback with its GSO left on (the kernel's batching,
+as a NIC that offloads it gives), what its loss-0 rounds take (the "batching on" table), with the machine's own
+UDP limit beside it: one process sending 1472-byte datagrams to another with GSO and GRO
+(``benchmarks/udp_probe.py``'s wire part, case c), the Gbit/s that the udp rows' all-ranks rates are compared
+with. Then ``gso_max_segs 1`` and the loss grid. ``--keep-gso`` runs the batching-on rows alone.
 
 rounds  one round of each operation on a [1, n] float32 row per rank, interleaved (gloo rps, gloo
         all_reduce, udp rps, gloo rps, ...), each under its own rule set between barriers; the round
         time is the slowest rank's, from a barrier to its result. gloo rps is today's
         ``DistComm.block_average`` (every block delivered; the loss is TCP's), all_reduce is
-        ``torch.distributed.all_reduce``, udp rps ``UdpDistComm.block_average`` (RPS on what really
-        arrived, the adaptive deadline agreed over gloo). Median of ``--repeats``, after two warm-up
+        ``torch.distributed.all_reduce`` (in place), udp rps ``UdpDistComm.block_average`` (RPS on what really
+        arrived, the adaptive deadline agreed over gloo); both rps calls give their row up (``overwrite``),
+        as the training loop's exchange does, and every rank's allocator keeps freed memory
+        (``tune_allocator``), as ``shaky train``'s ranks do. The udp rows' Gbit/s: what a round moves out of
+        every rank, 2 (W - 1) / W of the row, all ranks together, over the round's time. Median of ``--repeats``, after two warm-up
         rounds in the first cell of each size. A round is stopped when one of its gloo waits passes
         ``--timeout`` (the process group's timeout) or the round passes ``--timeout`` + 10 s: it reads
         "timeout", the processes are restarted and the same operation at larger sizes and higher loss
@@ -43,6 +50,7 @@ run keeps what it measured), ``--from-json`` prints and plots them again. docs/t
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import multiprocessing as mp
@@ -114,10 +122,43 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True)
 
 
-def _setup_namespace(keep_gso: bool) -> None:
-    _sh("ip", "link", "set", "lo", "up", "mtu", "1500")
-    if not keep_gso:
-        _sh("ip", "link", "set", "dev", "lo", "gso_max_segs", "1")
+def _setup_namespace(mtu: int) -> None:
+    _sh("ip", "link", "set", "lo", "up", "mtu", str(mtu))
+
+
+def datagram_bytes(mtu: int) -> int:
+    """The largest UDP datagram an IPv4 path of this MTU carries whole (what ``dist.datagram_bytes`` should be)."""
+    return min(mtu - 28, 65507)
+
+
+def _cut_batches() -> None:
+    """Per-packet loss from here on: the kernel cuts every GSO batch into 1500-byte packets before lo."""
+    _sh("ip", "link", "set", "dev", "lo", "gso_max_segs", "1")
+
+
+WIRE_DATAGRAMS = 300_000
+"""Datagrams (1472 bytes each, 440 MB) a wire measurement sends; its best of WIRE_REPEATS is the limit."""
+WIRE_REPEATS = 3
+
+
+def measure_wire() -> dict[str, Any]:
+    """The machine's own UDP limit on this loopback: one process sending 1472-byte datagrams to another with GSO
+    (44 a send) and GRO on the receiving socket, from Python (``benchmarks/udp_probe.py``'s wire part, case c):
+    Gbit/s of payload that arrived, the best of WIRE_REPEATS."""
+    if str(ROOT / "benchmarks") not in sys.path:      # so that the spawned processes import it by name too
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    probe = importlib.import_module("udp_probe")
+    ctx = mp.get_context("spawn")
+    runs = [probe._wire(ctx, senders=1, gso=True, gro=True, total=WIRE_DATAGRAMS) for _ in range(WIRE_REPEATS)]
+    best = max(runs)
+    return {"gbit_s": best[0], "lost": best[1], "datagrams_per_recv": best[2], "runs_gbit_s": [r[0] for r in runs],
+            "datagram_bytes": probe.DGRAM, "datagrams": WIRE_DATAGRAMS}
+
+
+def udp_gbit_s(n: int, seconds: float | None) -> float | None:
+    """What one udp rps round of ``n`` float32 values moves, all ranks together, in Gbit/s: every rank sends
+    2 (W - 1) / W of its row (its blocks to their servers, then its block's average to the others)."""
+    return None if seconds is None else WORLD * 2 * (WORLD - 1) / WORLD * n * 4 * 8 / seconds / 1e9
 
 
 def set_loss(proto: str, p: float) -> None:
@@ -167,7 +208,7 @@ def _sum_ranks(totals: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, port: int, plan: list[tuple[int, float, list[str]]], repeats: int, timeout_s: float,
-               events: Any) -> None:
+               events: Any, dgram: int = 1472) -> None:
     """One rank: every (size, loss) cell of ``plan``, its operations interleaved; rank 0 sets the rules and
     reports each round's start and each cell's times to the parent."""
     import torch  # noqa: PLC0415
@@ -175,10 +216,14 @@ def _rank_main(rank: int, port: int, plan: list[tuple[int, float, list[str]]], r
 
     from shaky.comm.gloo import DistComm  # noqa: PLC0415
     from shaky.comm.udp.comm import UdpDistComm  # noqa: PLC0415
+    from shaky.comm.udp.exchange import UdpOptions  # noqa: PLC0415
     from shaky.config import NetworkConfig  # noqa: PLC0415
     from shaky.network.model import NetworkModel  # noqa: PLC0415
 
+    from shaky.vectorized import tune_allocator  # noqa: PLC0415
+
     torch.set_num_threads(1)
+    tune_allocator()        # as shaky train does in every rank: freed memory is kept, not faulted in again
     cell: tuple[int, float, str] | None = None
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
@@ -196,13 +241,15 @@ def _rank_main(rank: int, port: int, plan: list[tuple[int, float, list[str]]], r
                 udp.close()
                 udp = None
             if "udp_rps" in ops and udp is None:
-                udp, udp_size = UdpDistComm(host="127.0.0.1", announce=False), n
+                udp, udp_size = UdpDistComm(host="127.0.0.1", announce=False,
+                                            options=UdpOptions(datagram_bytes=dgram)), n
                 seg = udp.segment_bytes
                 sample = NetworkModel(NetworkConfig(segment_bytes=seg), WORLD, seed=0, dim=n, itemsize=4).sample(0)
             fns: dict[str, Callable[[], object]] = {
-                "gloo_rps": lambda x=x: comm.block_average(x, links.up, links.down),
+                "gloo_rps": lambda x=x: comm.block_average(x, links.up, links.down, overwrite=True),
                 "all_reduce": lambda y=y: dist.all_reduce(y),
-                "udp_rps": lambda x=x: udp.block_average(x, sample.up, sample.down, segment_bytes=seg)}
+                "udp_rps": lambda x=x: udp.block_average(x, sample.up, sample.down, segment_bytes=seg,
+                                                         overwrite=True)}
             times: dict[str, list[float]] = {op: [] for op in ops}
             warm_times: dict[str, list[float]] = {op: [] for op in ops}
             packets: dict[str, Counter[str]] = {op: Counter() for op in ops}
@@ -250,7 +297,7 @@ def _dominated(op: str, n: int, p: float, timed_out: set[tuple[str, int, float]]
 
 
 def run_rounds(sizes: list[int], losses: list[float], repeats: int, timeout_s: float,
-               save: Callable[[list[dict[str, Any]]], None]) -> None:
+               save: Callable[[list[dict[str, Any]]], None], dgram: int = 1472) -> None:
     """Every (op, size, loss): its round times, or why there are none; ``save`` gets the rows so far after each
     cell. Restarts the processes after a timeout."""
     ctx = mp.get_context("forkserver")
@@ -280,7 +327,7 @@ def run_rounds(sizes: list[int], losses: list[float], repeats: int, timeout_s: f
             break
         events = ctx.Queue()
         port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, port, plan, repeats, timeout_s, events), daemon=True)
+        procs = [ctx.Process(target=_rank_main, args=(r, port, plan, repeats, timeout_s, events, dgram), daemon=True)
                  for r in range(WORLD)]
         for proc in procs:
             proc.start()
@@ -448,7 +495,9 @@ def print_rounds(rows: list[dict[str, Any]]) -> None:
             rec = get((op, n, p))
             t = _median(rec)
             line += [f"{t:.4f}" if t is not None else rec["status"], _ratio(t, _median(get((op, n, 0.0))))]
-        times.append(line + [_ratio(_median(get(("udp_rps", n, p))), _median(get(("all_reduce", n, p))))])
+        udp_t = _median(get(("udp_rps", n, p)))
+        gbit = udp_gbit_s(n, udp_t)
+        times.append(line + [_ratio(udp_t, _median(get(("all_reduce", n, p)))), f"{gbit:.2f}" if gbit else "-"])
         line = [f"{n:.0e}", f"{p:g}"]
         for op in ("gloo_rps", "all_reduce"):
             rec = get((op, n, p))
@@ -465,8 +514,8 @@ def print_rounds(rows: list[dict[str, Any]]) -> None:
         else:
             line += ["-"] * 5
         packets.append(line)
-    _table(["values", "loss", "gloo rps s", "x0", "gloo all_reduce s", "x0", "udp rps s", "x0", "udp / all_reduce"],
-           times)
+    _table(["values", "loss", "gloo rps s", "x0", "gloo all_reduce s", "x0", "udp rps s", "x0", "udp / all_reduce",
+            "udp Gbit/s"], times)
     print("\nmedian seconds of a round (the slowest rank's); x0: over the same operation at loss 0; "
           "udp / all_reduce: at the same loss\n")
     _table(["values", "loss", "gloo rps: TCP dropped", "resent/round", "all_reduce: TCP dropped", "resent/round",
@@ -555,19 +604,47 @@ def plot(data: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def print_batched(rows: list[dict[str, Any]], wire: dict[str, Any] | None) -> None:
+    """The loss-0 rounds with the kernel's batching on, and the udp rows' rate against the machine's limit."""
+    limit = wire["gbit_s"] if wire else None
+    if wire:
+        print(f"the machine's UDP limit here: {limit:.1f} Gbit/s of payload, one process to another, "
+              f"{wire['datagram_bytes']}-byte datagrams with GSO and GRO (benchmarks/udp_probe.py's wire part, "
+              f"case c; best of " + ", ".join(f"{g:.1f}" for g in wire["runs_gbit_s"]) + ")\n")
+    got = {(r["op"], r["size"]): r for r in rows}
+    table = []
+    for n in sorted({r["size"] for r in rows}):
+        t = {op: _median(got.get((op, n))) for op in OPS}
+        gbit = udp_gbit_s(n, t["udp_rps"])
+        table.append([f"{n:.0e}", *(f"{t[op]:.4f}" if t[op] is not None else got.get((op, n), {}).get("status", "-")
+                                    for op in OPS),
+                      _ratio(t["udp_rps"], t["all_reduce"]), f"{gbit:.2f}" if gbit is not None else "-",
+                      _ratio(gbit, limit)])
+    _table(["values", "gloo rps s", "gloo all_reduce s", "udp rps s", "udp / all_reduce", "udp Gbit/s, all ranks",
+            "/ the limit"], table)
+    print("\nloss 0, lo's GSO left on (the kernel's batching, as a NIC that offloads it gives); median seconds of a "
+          "round (the slowest rank's); udp Gbit/s: 2 (W - 1) / W of the row out of every rank, all ranks, over the "
+          "round's time")
+
+
 def report(data: dict[str, Any]) -> None:
     """Each part's command, machine and tables."""
-    for kind in PARTS:
+    for kind in ("batched", *PARTS):
         part = data.get(kind)
         if not part:
             continue
         meta = part["meta"]
         gso = "lo's GSO left on: NOT per-packet loss" if meta["gso_max_segs"] is None else "gso_max_segs 1"
         state = f"took {meta['took_s']:.0f} s" if "took_s" in meta else "UNFINISHED"
-        print(f"\n{meta['command']}\n{meta['date']}: {WORLD} processes on a private loopback (mtu 1500, {gso}), "
+        print(f"\n{meta['command']}\n{meta['date']}: {WORLD} processes on a private loopback (mtu "
+              f"{meta.get('mtu', 1500)}, udp datagrams of {meta.get('datagram_bytes', 1472)} bytes, {gso}), "
               f"torch {meta['torch']}, {meta['cores']} cores; {state}, load average {meta['load_before']:.1f} "
               f"before" + (f", {meta['load_after']:.1f} after" if "load_after" in meta else ""))
-        if kind == "rounds":
+        if kind == "batched":
+            print(f"one round at loss 0 with the kernel's batching on, median of {meta['repeats']} (after {WARM_UP} "
+                  f"warm-up rounds at each size), timeout {meta['timeout_s']:g} s\n")
+            print_batched(part["rows"], data.get("wire"))
+        elif kind == "rounds":
             print(f"one round, median of {meta['repeats']} (after {WARM_UP} warm-up rounds at each size), "
                   f"timeout {meta['timeout_s']:g} s\n")
             print_rounds(part["rows"])
@@ -592,8 +669,11 @@ def main() -> int:
                         help="training runs to make (default: all)")
     parser.add_argument("--train-timeout", type=float, help="seconds one training run may take (default 600)")
     parser.add_argument("--keep-gso", action="store_true",
-                        help="leave lo's GSO on: cheaper sends (64 KB TCP and UDP batches cross lo whole), but the "
-                             "rule then drops whole batches; only to see what gso_max_segs 1 costs at loss 0")
+                        help="leave lo's GSO on throughout: the rounds part measures only its batching-on rows "
+                             "(loss 0); a training run's rule then drops whole batches")
+    parser.add_argument("--mtu", type=int, default=1500,
+                        help="lo's MTU (default 1500; 9000: jumbo frames; 65536: loopback's own); the udp rows' "
+                             "datagrams are as large as it allows (MTU - 28 bytes, at most 65507)")
     parser.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     parser.add_argument("--json", type=Path, help="write every measured number here (after every measurement)")
     parser.add_argument("--from-json", type=Path, nargs="+",
@@ -609,6 +689,8 @@ def main() -> int:
             setattr(args, k, v)
     if 0.0 not in args.losses:
         parser.error("--losses must include 0 (the ratios are against loss 0)")
+    if not 576 <= args.mtu <= 65536:
+        parser.error(f"--mtu must be in [576, 65536] (IPv4's least and loopback's most), got {args.mtu}")
 
     if args.from_json is not None:
         data = {}
@@ -637,35 +719,59 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the parts asked for; with ``--json``, the file holds every number measured so far."""
     import torch  # noqa: PLC0415
 
-    _setup_namespace(args.keep_gso)
+    _setup_namespace(args.mtu)
+    dgram = datagram_bytes(args.mtu)
     data: dict[str, Any] = {}
+    cut = False
 
     def save() -> None:
         save_json(args.json, data)
 
-    for kind in PARTS:
-        if args.part not in (kind, "all"):
-            continue
-        t0 = time.perf_counter()
+    def start(kind: str, gso_max_segs: int | None) -> dict[str, Any]:
         meta = {"command": shlex.join([".venv/bin/python", "benchmarks/transport.py", *sys.argv[1:]]),
                 "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
                 "python": platform.python_version(), "cores": os.cpu_count(), "load_before": os.getloadavg()[0],
-                "gso_max_segs": None if args.keep_gso else 1}
-        part = data[kind] = {"meta": meta, "rows": []}
+                "gso_max_segs": gso_max_segs, "mtu": args.mtu, "datagram_bytes": dgram, "t0": time.perf_counter()}
+        data[kind] = {"meta": meta, "rows": []}
+        print(f"{kind} ...", flush=True)
+        return data[kind]
 
-        def keep(rows: list[dict[str, Any]], part: dict[str, Any] = part) -> None:
+    def keeper(part: dict[str, Any]) -> Callable[[list[dict[str, Any]]], None]:
+        def keep(rows: list[dict[str, Any]]) -> None:
             part["rows"] = list(rows)
             save()
+        return keep
 
-        print(f"{kind} ...", flush=True)
-        if kind == "rounds":
-            meta.update(repeats=args.repeats, timeout_s=args.timeout)
-            run_rounds([int(s) for s in args.sizes], args.losses, args.repeats, args.timeout, keep)
-        else:
-            meta.update(steps=args.steps, timeout_s=args.train_timeout)
-            run_training(args.losses, args.steps, args.train_timeout, keep, args.runs)
-        meta.update(took_s=time.perf_counter() - t0, load_after=os.getloadavg()[0])
+    def done(part: dict[str, Any]) -> None:
+        meta = part["meta"]
+        meta.update(took_s=time.perf_counter() - meta.pop("t0"), load_after=os.getloadavg()[0])
         save()
+
+    for kind in PARTS:
+        if args.part not in (kind, "all"):
+            continue
+        if kind == "rounds":
+            # The kernel's batching on (lo's GSO as it is): the machine's UDP limit, then the loss-0 rounds.
+            print("wire ...", flush=True)
+            data["wire"] = measure_wire()
+            save()
+            part = start("batched", None)
+            part["meta"].update(repeats=args.repeats, timeout_s=args.timeout)
+            run_rounds([int(s) for s in args.sizes], [0.0], args.repeats, args.timeout, keeper(part), dgram)
+            done(part)
+            if args.keep_gso:
+                continue
+        if not args.keep_gso and not cut:
+            _cut_batches()
+            cut = True
+        part = start(kind, None if args.keep_gso else 1)
+        if kind == "rounds":
+            part["meta"].update(repeats=args.repeats, timeout_s=args.timeout)
+            run_rounds([int(s) for s in args.sizes], args.losses, args.repeats, args.timeout, keeper(part), dgram)
+        else:
+            part["meta"].update(steps=args.steps, timeout_s=args.train_timeout)
+            run_training(args.losses, args.steps, args.train_timeout, keeper(part), args.runs)
+        done(part)
     return data
 
 

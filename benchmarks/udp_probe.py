@@ -8,7 +8,9 @@ Four parts, each printing numbers measured in this run (the machine is noisy: co
 
 mac       microseconds per 1472-byte datagram for each keyed hash in the standard library (HMAC-SHA256
           by ``hmac.digest``, by ``hmac.HMAC.copy``, by hashlib with the pads precomputed; keyed
-          BLAKE2b and BLAKE2s), and the other per-datagram Python costs (struct, memoryview copies).
+          BLAKE2b and BLAKE2s), shaky's tag (AES-256-GMAC: compiled, many datagrams a call, and Python's
+          path, OpenSSL through ctypes), and the other per-datagram Python costs (struct, memoryview
+          copies). ``benchmarks/tag_cost.c`` compares the tags OpenSSL offers in C.
 wire      one sender process to one receiver process on 127.0.0.1, 1472-byte datagrams, for a fixed
           volume: (a) plain ``sendto`` / ``recvfrom_into`` into a preallocated buffer; (b) ``sendmsg``
           with ``UDP_SEGMENT`` (GSO, 44 datagrams a call) and a plain receiver (the kernel splits them
@@ -97,6 +99,21 @@ def probe_mac() -> None:
     print(f"mac: microseconds per {DGRAM}-byte datagram (best of 5 x {n})")
     for name, fn in rows.items():
         print(f"  {name:42s} {_us(fn, n):6.2f}")
+    from shaky.comm.udp.wire import HEADER, _Mac  # noqa: PLC0415
+    from shaky.native import FASTPATH  # noqa: PLC0415
+
+    batch = 64
+    rows_buf = bytearray(os.urandom(DGRAM * batch))
+    for k in range(batch):
+        rows_buf[k * DGRAM:k * DGRAM + HEADER.size] = HEADER.pack(b"SK", 2, 1, 2, 0, 1, 7, 3, 0, k, DGRAM - 52)
+    view = memoryview(rows_buf)
+    one = bytes(view[:DGRAM - 16])
+    if FASTPATH is not None:
+        compiled = _Mac(key, compiled=True)
+        per = _us(lambda: compiled.tags(view, range(0, DGRAM * batch, DGRAM), DGRAM - 16), n // batch) / batch
+        print(f"  {'AES-256-GMAC, compiled, 64 a call (shaky)':42s} {per:6.2f}")
+    python_path = _Mac(key)
+    print(f"  {'AES-256-GMAC, Python path (EVP via ctypes)':42s} {_us(lambda: python_path.tag(one), n // 10):6.2f}")
     hdr = struct.Struct("<2sBBBBHQQIII")
     buf = bytearray(2048)
     dst = memoryview(bytearray(1 << 20))
@@ -283,8 +300,8 @@ def probe_cpu() -> None:
 
     print(f"cpu: CPU microseconds per datagram ({n_dgrams} datagrams of {packed.size} bytes, best of 5), "
           f"this process alone")
-    for name, fn in (("pack a block (numpy + tags)", pack), ("receive: GRO batch of 44, _fast_batch", fast),
-                     ("receive: one at a time, _on_datagram", slow), ("tags alone (HMAC-SHA256)", tags)):
+    for name, fn in (("pack a block (headers, copies, tags)", pack), ("receive: GRO batch of 44, _fast_batch", fast),
+                     ("receive: one at a time, _on_datagram", slow), ("tags alone (AES-256-GMAC)", tags)):
         print(f"  {name:40s} {cpu(fn):6.2f}")
     for ex in exs:
         ex.close()

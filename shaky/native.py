@@ -35,12 +35,15 @@ def _load() -> ctypes.CDLL | None:
     try:
         lib.shaky_mac_size.argtypes, lib.shaky_mac_size.restype = [], size
         lib.shaky_mac_init.argtypes, lib.shaky_mac_init.restype = [p, ctypes.c_char_p, size], ctypes.c_int
+        lib.shaky_mac_free.argtypes, lib.shaky_mac_free.restype = [p], None
         lib.shaky_tags.argtypes, lib.shaky_tags.restype = [p, p, size, p, size, size, p], None
-        lib.shaky_recv.argtypes = [ctypes.c_int, p, size, ctypes.c_int, p, p]
-        lib.shaky_recv.restype = ctypes.c_int
-        lib.shaky_check.argtypes = [p, p, size, p, p, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64,
-                                    ctypes.c_uint64, ctypes.c_uint8, ctypes.c_uint32, p, ctypes.c_uint32, p, p, p, p]
-        lib.shaky_check.restype = ctypes.c_int
+        lib.shaky_pack.argtypes, lib.shaky_pack.restype = [p, p, size, p, p, size, size, size], None
+        lib.shaky_drain.argtypes = [ctypes.c_int, p, p, p, size, ctypes.c_int, ctypes.c_int, p, size, ctypes.c_int, p, p,
+                                     p]
+        lib.shaky_drain.restype = ctypes.c_long
+        u32 = ctypes.c_uint32
+        lib.shaky_send.argtypes = [ctypes.c_int, p, size, size, size, size, size, u32, u32, ctypes.c_int, ctypes.c_int]
+        lib.shaky_send.restype = ctypes.c_long
         lib.shaky_block_shares.argtypes, lib.shaky_block_shares.restype = [p, i64, p, i64], None
         lib.shaky_take_averages.argtypes, lib.shaky_take_averages.restype = [p, p, p, p, p, i64, i64, i64], None
         lib.shaky_uniform.argtypes, lib.shaky_uniform.restype = [p, i64, p, i64, p, i64], ctypes.c_int

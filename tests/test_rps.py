@@ -101,3 +101,23 @@ def test_the_compiled_shares_and_copies_are_the_rule_s_bits(dtype: torch.dtype) 
                                     out=want[:, None, start:start + n])
             start += n
         assert torch.equal(compiled, want)
+
+
+def test_the_distinct_arrival_patterns_are_torch_uniques() -> None:
+    """server_average groups a block's segments by their row of shares with ``_unique_rows`` (numpy's hashing of
+    the rows as bytes): the same distinct rows, in the same order, and the same index of each row as
+    ``torch.unique(dim=0)``, which it stands in for, for random arrivals, weights (0 among them) and blocks."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        w, b, s = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 6), (1, 3), (1, 80)))
+        p = float(torch.tensor([0.0, 0.05, 0.3, 0.7])[torch.randint(0, 4, (1,), generator=g)])
+        up = torch.rand(w, b, s, generator=g) >= p
+        up[0] = True
+        weights = None if torch.rand(1, generator=g) < 0.5 else \
+            torch.tensor([0.0, 0.5, 1.0, 2.0])[torch.randint(0, 4, (w,), generator=g)]
+        if weights is not None:
+            weights[0] = 1.0
+        share = rps.shares(up, weights, torch.float32)
+        rows = share.transpose(0, 1).reshape(s, b * w)
+        want, got = torch.unique(rows, dim=0, return_inverse=True), rps._unique_rows(rows)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])

@@ -10,6 +10,8 @@ observed masks with the drops that were injected.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import hmac
 import math
@@ -469,12 +471,34 @@ def test_paced_sending_gives_the_same_result() -> None:
 
 # ---------------------------------------------------------------------------------------------- attacks
 
+def gmac_reference(key: bytes, data: bytes) -> bytes:
+    """The documented tag of a datagram's header and payload (``data``), from OpenSSL's EVP AES-256-GCM called
+    here through ctypes: the sender's round key from the key, run, sender and round the header names, the nonce
+    from its phase, flags, block and segment, and ``data`` as the associated data of an empty plaintext."""
+    sender, run, rnd = struct.unpack_from("<HQQ", data, 6)
+    round_key = hmac.digest(key, b"shaky udp gmac\0" + struct.pack("<QHQ", run, sender, rnd), "sha256")
+    iv = bytes((data[3], data[5])) + data[24:32] + bytes(2)
+    lib = ctypes.CDLL(ctypes.util.find_library("crypto"))
+    lib.EVP_CIPHER_CTX_new.restype = lib.EVP_aes_256_gcm.restype = ctypes.c_void_p
+    ctx, n, tag = lib.EVP_CIPHER_CTX_new(), ctypes.c_int(), ctypes.create_string_buffer(16)
+    try:
+        assert lib.EVP_EncryptInit_ex(ctypes.c_void_p(ctx), ctypes.c_void_p(lib.EVP_aes_256_gcm()), None, round_key,
+                                      iv) == 1
+        assert lib.EVP_EncryptUpdate(ctypes.c_void_p(ctx), None, ctypes.byref(n), data, len(data)) == 1
+        assert lib.EVP_EncryptFinal_ex(ctypes.c_void_p(ctx), ctypes.create_string_buffer(16), ctypes.byref(n)) == 1
+        assert lib.EVP_CIPHER_CTX_ctrl(ctypes.c_void_p(ctx), 0x10, 16, tag) == 1      # EVP_CTRL_GCM_GET_TAG
+    finally:
+        lib.EVP_CIPHER_CTX_free(ctypes.c_void_p(ctx))
+    return tag.raw
+
+
 def craft(key: bytes, *, phase: int, sender: int, rnd: int, block: int, k: int, payload: bytes, final: bool = False,
           run: int = RUN, dtype_code: int = 2, tag: bytes | None = None) -> bytes:
-    """A datagram built from the documented format alone (struct + hmac), as an attacker with the key would."""
-    head = HEADER.pack(b"SK", 1, phase, dtype_code, int(final), sender, run, rnd, block, k, len(payload))
+    """A datagram built from the documented format alone (struct + OpenSSL's AES-256-GCM), as an attacker with the
+    key would."""
+    head = HEADER.pack(b"SK", 2, phase, dtype_code, int(final), sender, run, rnd, block, k, len(payload))
     body = head + payload
-    return body + (hmac.digest(key, body, "sha256")[:TAG_BYTES] if tag is None else tag)
+    return body + (gmac_reference(key, body) if tag is None else tag)
 
 
 def segment_payload(row: torch.Tensor, W: int, block: int, k: int, seg: int) -> bytes:
@@ -537,6 +561,73 @@ def test_attacks_change_nothing_and_are_rejected(compiled: bool) -> None:
         assert {"malformed", "unknown_sender", "wrong_run", "bad_tag", "past_round", "duplicate"} <= set(st.rejected_by)
         assert st.received == sum(st.expected)
     assert stats[0].rejected_by["duplicate"] == 2       # the replay of round 1, and rank 1's copy (or original)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_each_bad_datagram_in_a_coalesced_batch_is_rejected(compiled: bool) -> None:
+    """Every kind of bad datagram, sent while a round runs in one GSO send from a real peer's socket (so that the
+    kernel hands them to the receiver as one coalesced batch where it has UDP_GRO, between genuine ones), and a
+    stranger's batch: each is rejected for its reason, counted once, and the results are those of the same
+    rounds without them."""
+    W, D = 4, 1000
+    rounds = [random_rows(W, D, seed=20 + r) for r in range(3)]
+    with group(W, compiled=compiled) as exs:
+        baseline = [run_round(exs, rounds[r], r) for r in range(3)]
+
+    with group(W, compiled=compiled) as exs, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+        stranger.bind(("127.0.0.1", 0))
+        seg = seg_len(exs[0], torch.float32)
+        attacked = [run_round(exs, rounds[r], r) for r in range(2)]
+
+        def payload(rnd: int, k: int) -> bytes:
+            return segment_payload(rounds[rnd][1], W, 0, k, seg)
+
+        real = craft(KEY, phase=1, sender=1, rnd=2, block=0, k=5, payload=payload(2, 5))
+        one_key = craft(KEY, phase=1, sender=1, rnd=2, block=0, k=0, payload=bytes(64))[:36]   # a version-1 header
+        body = HEADER.pack(b"SK", 2, 1, 2, 3, 1, RUN, 2, 0, 9, 64) + bytes(64)   # final and repeat on segment 9
+        repeat_mid_stream = body + gmac_reference(KEY, body)
+        bad = {
+            "bad_tag": [real[:-TAG_BYTES] + bytes(TAG_BYTES),                                  # forged tag
+                        craft(os.urandom(32), phase=1, sender=1, rnd=2, block=0, k=6, payload=payload(2, 6))],
+            "wrong_run": [craft(KEY, phase=1, sender=1, rnd=2, block=0, k=7, payload=payload(2, 7), run=RUN + 1)],
+            "malformed": [
+                b"SK\x01" + one_key[3:] + bytes(64) + bytes(TAG_BYTES),                      # wire version 1
+                craft(KEY, phase=3, sender=1, rnd=2, block=0, k=8, payload=bytes(64)),      # unknown phase
+                craft(KEY, phase=1, sender=1, rnd=2, block=0, k=999, payload=bytes(64)),    # segment out of range
+                craft(KEY, phase=1, sender=1, rnd=2, block=2, k=0, payload=bytes(64)),      # a block rank 0 does not serve
+                craft(KEY, phase=1, sender=1, rnd=2, block=0, k=9, payload=bytes(64), dtype_code=3),  # other dtype
+                repeat_mid_stream,                                                         # authentic, flagged wrong
+            ],
+            "unknown_sender": [craft(KEY, phase=1, sender=2, rnd=2, block=0, k=10, payload=payload(2, 10))],
+            "past_round": [craft(KEY, phase=1, sender=1, rnd=0, block=0, k=0, payload=payload(0, 0))],
+            "duplicate": [craft(KEY, phase=1, sender=1, rnd=1, block=0, k=0, payload=payload(1, 0)),  # replayed
+                          craft(KEY, phase=1, sender=1, rnd=2, block=0, k=3, payload=payload(2, 3))],  # a copy
+        }
+        batch = [d for kind in bad.values() for d in kind]
+        assert {len(d) for d in batch} == {len(real)}
+        cut = real[:-5]                                  # the batch's shorter last datagram: a wrong length
+        bad["malformed"].append(cut)
+        noise = [os.urandom(len(real)) for _ in range(5)]
+
+        def attack() -> None:
+            gso = [(socket.IPPROTO_UDP, 103, struct.pack("H", len(real)))]                  # UDP_SEGMENT
+            exs[1].sock.sendmsg([b"".join(batch) + cut], gso, 0, exs[0].address)
+            stranger.sendmsg([b"".join(noise)], gso, 0, exs[0].address)
+
+        exs[1].fault = lambda phase, block, k, dest: attack() if (phase, block, k, dest) == (1, 0, 1, 0) else None
+        attacked.append(run_round(exs, rounds[2], 2))
+
+    for r in range(3):
+        for base, hit in zip(baseline[r], attacked[r]):
+            assert torch.equal(base[0], hit[0]), f"round {r}: the attacker changed a result"
+            assert torch.equal(base[1], hit[1]) and torch.equal(base[2], hit[2])
+    st = attacked[2][0][3]
+    want = {kind: len(datagrams) for kind, datagrams in bad.items()}
+    want["unknown_sender"] += len(noise)
+    assert st.rejected_by == want and st.rejected == sum(want.values())
+    assert st.received == sum(st.expected) and st.late == 0
+    for other in attacked[2][1:]:
+        assert other[3].rejected == 0
 
 
 # ---------------------------------------------------------------------------------------------- set-up
@@ -603,12 +694,17 @@ def test_socket_buffers_and_offload_are_reported() -> None:
     assert isinstance(info["gso"], bool) and isinstance(info["gro"], bool)
 
 
-def test_tag_is_hmac_sha256_truncated() -> None:
-    data = os.urandom(1456)
-    assert _Mac(KEY).tag(data) == hmac.digest(KEY, data, "sha256")[:16]
-    buf = memoryview(bytearray(os.urandom(3 * 100)))
+def test_tag_is_aes_256_gmac_of_the_documented_round_key_and_nonce() -> None:
+    heads = [HEADER.pack(b"SK", 2, phase, 2, flags, sender, run, rnd, block, k, 1420)
+             for phase, flags, sender, run, rnd, block, k in ((1, 0, 3, RUN, 5, 2, 9), (2, 1, 0, 2**64 - 1, 2**40, 7, 0),
+                                                            (2, 3, 65535, 0, 0, 2**32 - 1, 2**32 - 1))]
+    for head in heads:
+        data = head + os.urandom(1420)
+        assert _Mac(KEY).tag(data) == gmac_reference(KEY, data)
+    buf = memoryview(bytearray(b"".join(h + os.urandom(64) for h in heads)))
     assert _Mac(KEY).tags(buf, range(0, 300, 100), 84) == b"".join(
-        hmac.digest(KEY, buf[o:o + 84], "sha256")[:16] for o in range(0, 300, 100))
+        gmac_reference(KEY, bytes(buf[o:o + 84])) for o in range(0, 300, 100))
+    assert _Mac(KEY).tag(heads[0][:35]) == bytes(16)          # shorter than a header: a tag that never verifies
     assert HEADER.size == 36 and struct.calcsize("<2sBBBBHQQIII") == 36
 
 
@@ -629,16 +725,22 @@ def test_the_compiled_path_is_silent() -> None:
 
 
 @NEEDS_BUILD
-def test_compiled_tags_are_hmac_sha256_truncated() -> None:
+def test_compiled_tags_are_the_documented_gmac() -> None:
     mac = _Mac(KEY, compiled=True)
-    buf = np.frombuffer(os.urandom(5 * 100), np.uint8).copy()
-    want = [hmac.digest(KEY, buf[o:o + 84].tobytes(), "sha256")[:16] for o in range(0, 500, 100)]
+    rows = np.frombuffer(b"".join(HEADER.pack(b"SK", 2, 1 + i % 2, 2, i % 2, i, RUN, 40 + i // 2, i, 3 * i, 64)
+                                  + os.urandom(64) for i in range(5)), np.uint8).copy().reshape(5, 100)
+    buf = rows.reshape(-1)
+    want = [gmac_reference(KEY, buf[o:o + 84].tobytes()) for o in range(0, 500, 100)]
     assert mac.tags(memoryview(buf), range(0, 500, 100), 84) == b"".join(want)
-    rows = buf.reshape(5, 100)
-    lengths = np.array([0, 1, 63, 64, 100], np.uint32)
+    lengths = np.array([0, 35, 36, 63, 100], np.uint32)
     got = mac.tags_of(rows, lengths)
-    assert [bytes(t) for t in got] == [hmac.digest(KEY, rows[i, :n].tobytes(), "sha256")[:16]
+    assert [bytes(t) for t in got] == [bytes(16) if n < 36 else gmac_reference(KEY, rows[i, :n].tobytes())
                                        for i, n in enumerate(lengths.tolist())]
+    for _ in range(200):      # more (sender, round) keys than the 64 slots it caches: every tag still right
+        head = HEADER.pack(b"SK", 2, 1, 2, 0, int(np.random.randint(65536)), RUN, int(np.random.randint(1 << 62)), 0,
+                           0, 8)
+        data = head + os.urandom(8)
+        assert mac.tag(data) == gmac_reference(KEY, data)
 
 
 def test_adaptive_deadline() -> None:

@@ -24,6 +24,7 @@ check that they give these functions' bits.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from shaky.geometry import own_parts
@@ -65,6 +66,23 @@ def _pieces(n: int, seg: int) -> list[tuple[int, int, int]]:
     return [(0, whole, seg)] + ([(whole, 1, rest)] if rest else [])
 
 
+def _unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(rows, dim=0, return_inverse=True)``: the distinct rows in ascending lexicographic order and
+    each row's index among them. For a CPU matrix of finite values, hashed as bytes by numpy and the few distinct
+    rows then put in torch's order: the same result, about 10x faster (torch sorts every row; a block of 1e7/4
+    float32 values has 7,042 segments, and its distinct patterns of arrivals are a handful)."""
+    if rows.device.type != "cpu" or rows.dim() != 2 or not rows.numel() or not bool(torch.isfinite(rows).all()):
+        return torch.unique(rows, dim=0, return_inverse=True)
+    a = np.ascontiguousarray(rows.numpy()) + 0      # + 0: -0.0 becomes 0.0, which unique takes for one value
+    keys = a.view(np.dtype((np.void, a.dtype.itemsize * a.shape[1]))).ravel()
+    distinct, inverse = np.unique(keys, return_inverse=True)
+    patterns = distinct.view(a.dtype).reshape(-1, a.shape[1])
+    order = sorted(range(len(patterns)), key=lambda i: patterns[i].tolist())
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    return torch.from_numpy(patterns[order].copy()), torch.from_numpy(rank[inverse.reshape(-1)])
+
+
 def server_average(share: torch.Tensor, blocks: torch.Tensor, seg: int = 0, *,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Phase 1: each served block's average over the senders whose segments arrived.
@@ -91,7 +109,7 @@ def server_average(share: torch.Tensor, blocks: torch.Tensor, seg: int = 0, *,
         if count == 1:
             avg[:, start:stop] = torch.bmm(part, blocks[:, :, start:stop]).view(b, stop - start)
             continue
-        patterns, which = torch.unique(part.transpose(0, 1).reshape(count, b * w), dim=0, return_inverse=True)
+        patterns, which = _unique_rows(part.transpose(0, 1).reshape(count, b * w))
         common = int(torch.bincount(which).argmax())
         dst = avg[:, start:stop].unflatten(1, (count, length))                       # [B, segs, len]
         dst.copy_(torch.bmm(patterns[common].view(b, 1, w), blocks[:, :, start:stop]).view(b, count, length))

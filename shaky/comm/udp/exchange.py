@@ -37,17 +37,16 @@ where it arrived. With the default servers (rank j serves block j) the link and 
 The datagrams, and which of them are used, are described in :mod:`shaky.comm.udp.wire`.
 
 Speed (``benchmarks/udp_probe.py`` and ``benchmarks/transport.py`` measure it): a block's datagrams are built
-in one buffer with numpy (headers, payload copies) and tagged in one call; they leave in batches with UDP
-segmentation offload (``sendmsg`` with ``UDP_SEGMENT``: one system call for up to 44 datagrams) where the
-kernel has it. Receiving has two paths with the same rules. The compiled one (``shaky/comm/_fastpath.c``,
-built by the install where a C compiler and OpenSSL's headers are found; ``UdpOptions.compiled``) takes up to
-64 datagrams a system call (``recvmmsg``), tags them in C, and checks and places the full-size datagrams of
-this round's open phases with numpy, a (phase, block, sender) at a time; the rest (a block's short last
-segment, a repeat, another round, anything to reject) go one by one. Python's takes coalesced batches
-(``UDP_GRO``) where the kernel forms them, checks a batch of one sender's consecutive segments with one
-comparison of its headers, and goes datagram by datagram otherwise. At loss 0 on a 1500-byte-MTU loopback
-(no coalescing), one RPS round of 1e6 float32 among 4 processes on 2 cores took 0.14 s compiled against
-0.26 s in Python.
+in one buffer with numpy (headers, payload copies) and tagged in one call. The compiled path
+(``shaky/comm/_fastpath.c``, built by the install where a C compiler and OpenSSL's headers are found;
+``UdpOptions.compiled``) sends them with ``sendmmsg``, several UDP segmentation offload sends (``UDP_SEGMENT``: up
+to 44 datagrams of 1472 bytes each) a system call, and receives with ``recvmmsg`` on a socket with ``UDP_GRO``,
+so that the kernel hands over up to 64 datagrams of one sender as one coalesced buffer; in C it cuts them apart,
+checks each (header, address, round, place, tag) and copies its payload where the round puts it
+(``shaky_drain``), and hands back to Python only what it does not take as it is (a repeat, another round, a
+duplicate, anything to reject), which the rules below handle one by one. Python's path (no compiled library) sends
+with ``sendmsg`` and GSO, takes coalesced batches (``UDP_GRO``) where the kernel forms them, checks a batch of one
+sender's consecutive segments with one comparison of its headers, and goes datagram by datagram otherwise.
 
 One call at a time per exchange. The call may run in a background thread while the caller computes;
 the compiled path releases the GIL while it hashes and receives, the rest holds it, so it overlaps with
@@ -57,6 +56,7 @@ work that releases the GIL (torch's kernels), not with Python. Only this rank's 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hmac
 import math
@@ -84,12 +84,31 @@ from shaky.geometry import block_sizes, own_parts, segment_counts, segment_lengt
 from shaky.native import FASTPATH
 
 
+_GRO_SEGMENTS = 64
+"""The most datagrams the kernel coalesces into one receive (UDP_GRO)."""
+_REST_BYTES = 16 << 20
+"""At most this many bytes of rows for a compiled receive's datagrams that go to the rules in Python."""
+_SEND_MESSAGES = 4
+"""GSO sends (of up to 44 datagrams of 1472 bytes each) one compiled send takes to one destination before the
+next destination's turn (and a receive); 4 a system call (sendmmsg)."""
+
+
+class _CRound(ctypes.Structure):
+    """``shaky_round`` of shaky/comm/_fastpath.c: a round's placement table for the compiled receive."""
+
+    _fields_ = [("run", ctypes.c_uint64), ("round", ctypes.c_uint64), ("W", ctypes.c_uint32),
+                ("payload", ctypes.c_uint32), ("dtype", ctypes.c_uint32), ("open1", ctypes.c_uint32),
+                ("open2", ctypes.c_uint32), ("peer_keys", ctypes.c_void_p), ("dest", ctypes.c_void_p),
+                ("got", ctypes.c_void_p), ("nseg", ctypes.c_void_p), ("lastlen", ctypes.c_void_p),
+                ("count", ctypes.c_void_p), ("final", ctypes.c_void_p), ("last", ctypes.c_void_p)]
+
+
 def python_path_warning(options: UdpOptions) -> str | None:
     """One line for a run whose data plane falls back to Python because the install did not build the compiled
     path (None when it uses it, or was told not to)."""
     if options.compiled and FASTPATH is None:
         return ("the udp fast path (shaky/comm/_fastpath.c) was not built by this install: the data plane runs "
-                "in Python, about half as fast (install a C compiler and OpenSSL's headers, e.g. apt-get install "
+                "in Python, several times slower (install a C compiler and OpenSSL's headers, e.g. apt-get install "
                 "gcc libssl-dev, then reinstall shaky)")
     return None
 
@@ -118,9 +137,9 @@ class UdpOptions:
     max_held: int = 1 << 16
     """At most this many authentic datagrams of later rounds are kept for when their round starts."""
     compiled: bool = True
-    """Use the compiled fast path (``shaky/comm/_fastpath.c``: tags in C, ``recvmmsg``, and the datagrams of a
-    receive batch checked and placed with numpy) where the install built it; False, or where it was not
-    built: the same rules, datagram by datagram in Python. Both give the same results."""
+    """Use the compiled fast path (``shaky/comm/_fastpath.c``: tags in C, ``sendmmsg`` and ``recvmmsg``, and every
+    datagram of a receive checked and placed in C) where the install built it; False, or where it was not built:
+    the same rules, datagram by datagram in Python. Both give the same results."""
 
     def __post_init__(self) -> None:
         _int_in("datagram_bytes", self.datagram_bytes, OVERHEAD_BYTES + 8, MAX_DATAGRAM_BYTES)
@@ -287,7 +306,7 @@ class UdpExchange:
             self._gso = self._gro = False
             if options.offload:
                 self._gso = _has_gso(self.sock)
-            if options.offload and not self._fast:     # the compiled path takes datagrams 64 a call instead
+            if options.offload:
                 try:
                     self.sock.setsockopt(_SOL_UDP, _UDP_GRO, 1)
                     self._gro = True
@@ -314,15 +333,25 @@ class UdpExchange:
         self._rbuf = bytearray(_RECV_BUFFER)
         self._rmv = memoryview(self._rbuf)
         if self._fast:
-            self._batch = np.empty((RECV_BATCH, options.datagram_bytes), np.uint8)
-            self._blens = np.empty(RECV_BATCH, np.uint32)
-            self._baddrs = np.empty(RECV_BATCH, np.uint64)
-            self._bargs = (self.sock.fileno(), self._batch.ctypes.data, options.datagram_bytes, RECV_BATCH,
-                           self._blens.ctypes.data, self._baddrs.ctypes.data)
-            self._bok = np.empty(RECV_BATCH, np.uint8)
-            self._bgroup = np.empty(RECV_BATCH, np.uint32)
-            self._bseg = np.empty(RECV_BATCH, np.uint32)
-            self._bfinal = np.empty(RECV_BATCH, np.uint8)
+            # The compiled receive: up to RECV_BATCH messages a system call, each as long as the kernel's coalesced
+            # batches may be; what the round does not take as it is comes back in rows of one datagram for the
+            # rules in Python (room for every datagram of one full receive).
+            stride = MAX_DATAGRAM_BYTES + 29 if self._gro else options.datagram_bytes
+            per_msg = _GRO_SEGMENTS if self._gro else 1
+            rest = max(per_msg, min(RECV_BATCH * per_msg, _REST_BYTES // options.datagram_bytes))
+            msgs = RECV_BATCH // 4 if self._gro else RECV_BATCH      # 1 MiB of coalesced batches a call
+            self._batch = np.empty((msgs, stride), np.uint8)
+            self._rest = np.empty((rest, options.datagram_bytes), np.uint8)
+            self._rlens = np.empty(rest, np.uint32)
+            self._raddrs = np.empty(rest, np.uint64)
+            self._rcount = ctypes.c_int()
+            self._closed_round = _CRound(W=num_workers, open1=0, open2=0)
+            self._closed_out = [np.zeros(2 * num_workers, t) for t in (np.uint32, np.uint8, np.uint8)]
+            self._closed_round.count, self._closed_round.final, self._closed_round.last = \
+                (a.ctypes.data for a in self._closed_out)
+            self._bargs = (self._batch.ctypes.data, stride, msgs, per_msg, self._rest.ctypes.data,
+                           options.datagram_bytes, rest, self._rlens.ctypes.data, self._raddrs.ctypes.data,
+                           ctypes.addressof(self._rcount))
         self._peer_keys = np.zeros(0, np.uint64)
         self._buffers: dict[object, np.ndarray] = {}
         self._cur: _Round | None = None
@@ -356,6 +385,7 @@ class UdpExchange:
             raise ValueError(f"peers must be distinct addresses, got {resolved}")
         self._peers = resolved
         self._addr_rank = {addr: i for i, addr in enumerate(resolved) if i != self.rank}
+        self._addr_int = {addr: (int.from_bytes(socket.inet_aton(addr[0]), "big"), addr[1]) for addr in resolved}
         # Each rank's address as the compiled receive reports it (address << 16 | port); this rank's own: none.
         self._peer_keys = np.array([0 if i == self.rank else
                                     int.from_bytes(socket.inet_aton(ip), "big") << 16 | port
@@ -425,6 +455,8 @@ class UdpExchange:
         self._st = st = _Counters()
         state = _Round(rnd, self.run_id, x, res, srv, w, me, W, self.segment_bytes, recv=self._recv_buffers)
         self._cur = state
+        if self._fast:
+            state.build_table(self._peer_keys)
         self._take_stash()
 
         # Phase 1: my blocks to their servers, interleaved with receiving theirs.
@@ -490,19 +522,14 @@ class UdpExchange:
         rows = buf.reshape(nseg, size)
         whole = values.size // seg
         raw = values.view(np.uint8)
-        if whole:
-            rows[:whole, HEADER.size:HEADER.size + psize] = raw[:whole * psize].reshape(whole, psize)
         last_len = raw.size - whole * psize     # bytes in a shorter last segment (0: none)
-        if last_len:
-            rows[whole, HEADER.size:HEADER.size + last_len] = raw[whole * psize:]
-        rows[:, :HEADER.size] = state.headers(phase, block, self.rank)
         flat = memoryview(buf)
-        if whole:
-            tags = self._mac.tags(flat, range(0, whole * size, size), size - TAG_BYTES)
-            rows[:whole, size - TAG_BYTES:] = np.frombuffer(tags, np.uint8).reshape(whole, TAG_BYTES)
-        if last_len:
-            o, end = whole * size, whole * size + HEADER.size + last_len
-            flat[end:end + TAG_BYTES] = self._mac.tag(flat[o:end])
+        if self._fast:      # headers, payloads and tags in one pass in C
+            heads = state.headers(phase, block, self.rank)
+            FASTPATH.shaky_pack(self._mac._cp, buf.ctypes.data, size, heads.ctypes.data, values.ctypes.data, raw.size,
+                                psize, nseg)
+        else:
+            self._pack_rows(rows, flat, state.headers(phase, block, self.rank), raw, whole, psize, last_len)
         last = OVERHEAD_BYTES + last_len if last_len else size
         repeat = None
         if rows[-1, 5] & FLAG_FINAL:        # the stream's very last datagram: its copy, flagged and tagged
@@ -510,13 +537,32 @@ class UdpExchange:
             copy[5] |= FLAG_REPEAT
             copy[-TAG_BYTES:] = self._mac.tag(memoryview(copy)[:-TAG_BYTES])
             repeat = bytes(copy)
-        return _Packed(flat, size, nseg, last, phase, block, repeat)
+        return _Packed(flat, size, nseg, last, phase, block, repeat, buf.ctypes.data)
+
+    def _pack_rows(self, rows: np.ndarray, flat: memoryview, heads: np.ndarray, raw: np.ndarray, whole: int,
+                   psize: int, last_len: int) -> None:
+        """:meth:`_pack`'s rows in Python and numpy: payloads, headers, then the tags."""
+        size = rows.shape[1]
+        if whole:
+            rows[:whole, HEADER.size:HEADER.size + psize] = raw[:whole * psize].reshape(whole, psize)
+        if last_len:
+            rows[whole, HEADER.size:HEADER.size + last_len] = raw[whole * psize:]
+        rows[:, :HEADER.size] = heads
+        if whole:
+            tags = self._mac.tags(flat, range(0, whole * size, size), size - TAG_BYTES)
+            rows[:whole, size - TAG_BYTES:] = np.frombuffer(tags, np.uint8).reshape(whole, TAG_BYTES)
+        if last_len:
+            o, end = whole * size, whole * size + HEADER.size + last_len
+            flat[end:end + TAG_BYTES] = self._mac.tag(flat[o:end])
 
     def _send_all(self, jobs: list[tuple[int, int, _Packed]], state: _Round, *, phase: int) -> None:
         """Sends every job's datagrams, one batch per destination in turn, receiving between batches."""
         queues = []
+        most = self._max_gso if self._gso else 16
+        if self._compiled_send():
+            most *= _SEND_MESSAGES
         for dest, _j, packed in jobs:
-            queues.append((dest, packed, deque(_batches(packed.count, self._max_gso if self._gso else 16))))
+            queues.append((dest, packed, deque(_batches(packed.count, most))))
         # Blocks of the same destination go one after the other (its final datagrams come last).
         order: dict[int, list] = {}
         for dest, packed, q in queues:
@@ -569,7 +615,45 @@ class UdpExchange:
             return
         self._send_batch(packed, first, count, addr, one_by_one)
 
+    def _compiled_send(self) -> bool:
+        """Whether sends go through ``shaky_send`` (sendmmsg: many GSO sends a system call): the compiled path, with
+        no pacing and no delay line (the fault hook goes row by row in :meth:`_send_plain` either way)."""
+        return self._fast and self._line is None and self.options.send_rate_mbps is None
+
+    def _send_compiled(self, packed: _Packed, first: int, count: int, addr: tuple[str, int], one_by_one: bool) -> None:
+        """Rows ``first`` to ``first + count`` with ``shaky_send``: up to ``_SEND_MESSAGES`` GSO sends (or single
+        datagrams, ``one_by_one``) a system call, waiting for room in the send buffer (receiving meanwhile)."""
+        ip, port = self._addr_int[addr]
+        send, fd = FASTPATH.shaky_send, self.sock.fileno()
+        k, end = first, first + count
+        while k < end:
+            segs = 1 if one_by_one or not self._gso else self._max_gso
+            n = send(fd, packed.address, packed.size, packed.count, packed.last, k, end - k, ip, port, segs,
+                     _SEND_MESSAGES)
+            if n > 0:
+                self._st.sent += n
+                k += n
+            elif -n in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+                self._poll.modify(self.sock, select.POLLIN | select.POLLOUT)
+                try:
+                    self._poll.poll(10)
+                finally:
+                    self._poll.modify(self.sock, select.POLLIN)
+                self._drain()
+            elif -n == errno.ENOBUFS:
+                time.sleep(0.0001)
+                self._drain()
+            elif -n in (errno.ECONNREFUSED, errno.ECONNRESET):
+                k += min(segs, end - k)     # an ICMP error from an earlier datagram: this send is lost, as any may be
+            elif segs > 1 and -n in (errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.ENOPROTOOPT, errno.EOPNOTSUPP):
+                self._gso = False     # the path or the device cannot segment: one datagram per message from now on
+            else:
+                raise OSError(-n, os.strerror(-n))
+
     def _send_batch(self, packed: _Packed, first: int, count: int, addr: tuple[str, int], one_by_one: bool) -> None:
+        if self._compiled_send():
+            self._send_compiled(packed, first, count, addr, one_by_one)
+            return
         o = first * packed.size
         end = o + (count - 1) * packed.size + packed.length(first + count - 1)
         self._pace(end - o)
@@ -694,60 +778,40 @@ class UdpExchange:
             self._on_datagram(mv[:n], addr[:2], None)
 
     def _drain_batches(self) -> None:
-        """The compiled path of :meth:`_drain`: up to ``RECV_BATCH`` datagrams a system call."""
-        recv, args = FASTPATH.shaky_recv, self._bargs
-        while True:
-            n = recv(*args)
-            if n == 0:
-                return
-            if n < 0:
-                if -n in (errno.ECONNREFUSED, errno.ECONNRESET):
-                    continue        # an ICMP error from an earlier datagram: that one is lost
-                raise OSError(-n, os.strerror(-n))
-            self._on_received(n)
-
-    def _on_received(self, n: int) -> None:
-        """A receive batch: the full-size datagrams of this round's open phases from their senders' addresses,
-        with valid tags, checked and placed with numpy a (phase, block, sender) at a time; every other
-        datagram goes to :meth:`_on_datagram` (in arrival order, after them), which applies the same rules one
-        by one (a short last segment, a repeat, another round, anything to reject)."""
-        rows, lens, addrs = self._batch[:n], self._blens[:n], self._baddrs[:n]
+        """The compiled path of :meth:`_drain` (``shaky_drain``): many coalesced datagrams a system call; those
+        the round takes as they are (this run's and round's, an open phase, from the address of the sender the
+        header names, where the round's geometry puts them, not received before, tag valid) are placed and
+        counted in C; every other datagram comes back to :meth:`_on_datagram`, which applies the rules."""
+        drain, fd, mac = FASTPATH.shaky_drain, self.sock.fileno(), self._mac._cp
         state = self._cur
-        fast = np.zeros(n, bool)
-        if state is not None and FASTPATH.shaky_check(
-                self._mac._cp, rows.ctypes.data, rows.shape[1], lens.ctypes.data, addrs.ctypes.data, n,
-                OVERHEAD_BYTES + state.payload, self.run_id, state.round, state.dtcode, state.payload,
-                self._peer_keys.ctypes.data, self.num_workers, self._bok.ctypes.data, self._bgroup.ctypes.data,
-                self._bseg.ctypes.data, self._bfinal.ctypes.data):
-            W, psize = self.num_workers, state.payload
-            idx = np.flatnonzero(self._bok[:n])
-            groups = self._bgroup[idx]
-            for g in set(groups.tolist()):
-                mine = idx[groups == g]
-                phase, block, sender = g // (W * W), g // W % W, g % W
-                target = state.target(phase, block, sender)
-                if target is None:
-                    continue
-                dest, got, nseg = target
-                whole = nseg if state.seg_bytes(block, nseg - 1) == psize else nseg - 1
-                ks = self._bseg[mine].astype(np.int64)
-                if len(ks) > 1:
-                    ks, first = np.unique(ks, return_index=True)     # a repeat within the batch: one by one
-                    mine = mine[first]
-                ok = ks < whole
-                ok[ok] = ~got[ks[ok]]
-                if not ok.all():
-                    ks, mine = ks[ok], mine[ok]
-                    if not ks.size:
-                        continue
-                dest[:whole * psize].reshape(whole, psize)[ks] = rows[mine, HEADER.size:HEADER.size + psize]
-                got[ks] = True
-                final = self._bfinal[mine] != 0
-                state.progress[phase].arrived(sender, int(ks.size), final=bool(final.any()),
-                                              last=bool((final & (ks == nseg - 1)).any()))
-                self._st.received += int(ks.size)
-                fast[mine] = True
-        for i in np.flatnonzero(~fast).tolist():
+        if state is not None and state.table is not None:
+            table, outs = state.table, state.table_out
+            table.open1, table.open2 = state.open1, state.open2
+        else:
+            table, outs = self._closed_round, self._closed_out
+        ref = ctypes.addressof(table)
+        while True:
+            placed = drain(fd, mac, ref, *self._bargs)
+            rest = self._rcount.value
+            if placed > 0:
+                count, final, last = outs
+                for ps in np.flatnonzero(count).tolist():
+                    phase, sender = 1 + ps // self.num_workers, ps % self.num_workers
+                    state.progress[phase].arrived(sender, int(count[ps]), final=bool(final[ps]), last=bool(last[ps]))
+                self._st.received += placed
+            if rest:
+                self._on_rest(rest)
+            if placed < 0:
+                if -placed in (errno.ECONNREFUSED, errno.ECONNRESET):
+                    continue        # an ICMP error from an earlier datagram: that one is lost
+                raise OSError(-placed, os.strerror(-placed))
+            if rest <= len(self._rlens) - self._bargs[3]:
+                return      # the socket is empty (shaky_drain stops early only when the rows might run out)
+
+    def _on_rest(self, n: int) -> None:
+        """The datagrams of a compiled receive that the round did not take as they were, one by one."""
+        rows, lens, addrs = self._rest, self._rlens, self._raddrs
+        for i in range(n):
             length, a = int(lens[i]), int(addrs[i])
             if length > rows.shape[1]:
                 self._reject("malformed")       # longer than any datagram of the run: cut by the receive
@@ -913,6 +977,7 @@ class _Round:
     def __init__(self, number: int, run_id: int, x: np.ndarray, res: np.ndarray, srv: list[int],
                  weights: np.ndarray | None, me: int, W: int, segment_bytes: int, *, recv: Callable) -> None:
         self.round, self.run_id, self.me, self.W, self.srv, self.weights = number, run_id, me, W, srv, weights
+        self.table: _CRound | None = None
         self._headers: dict[tuple[int, int, int], np.ndarray] = {}
         self.x, self.res = x, res
         self.dtcode = DTYPE_CODES[x.dtype]
@@ -940,8 +1005,38 @@ class _Round:
         self.expected1 = sum(self.exp1)
         self.expected2 = sum(self.exp2)
 
+    def build_table(self, peer_keys: np.ndarray) -> None:
+        """The placement table of the compiled receive (``shaky_round``): for each (phase, block, sender) that
+        :meth:`target` accepts, where its segments go and which of them arrived."""
+        W = self.W
+        dest = np.zeros((2, W, W), np.uint64)
+        got = np.zeros((2, W, W), np.uint64)
+        nseg = np.zeros((2, W, W), np.uint32)
+        lastlen = np.zeros((2, W, W), np.uint32)
+        for phase in PHASES:
+            for block in range(W):
+                if not self.nseg[block]:
+                    continue
+                for sender in range(W):
+                    where = self.target(phase, block, sender, any_state=True)
+                    if where is None or where[0] is None:
+                        continue
+                    e = (phase - 1, block, sender)
+                    dest[e] = where[0].ctypes.data
+                    got[e] = where[1].ctypes.data
+                    nseg[e] = where[2]
+                    lastlen[e] = self.seg_bytes(block, where[2] - 1)
+        out = [np.zeros(2 * W, t) for t in (np.uint32, np.uint8, np.uint8)]
+        keep = (peer_keys, dest, got, nseg, lastlen, *out)
+        self.table = _CRound(run=self.run_id, round=self.round, W=W, payload=self.payload, dtype=self.dtcode,
+                             open1=1, open2=1, peer_keys=peer_keys.ctypes.data, dest=dest.ctypes.data,
+                             got=got.ctypes.data, nseg=nseg.ctypes.data, lastlen=lastlen.ctypes.data,
+                             count=out[0].ctypes.data, final=out[1].ctypes.data, last=out[2].ctypes.data)
+        self.table_out, self._table_arrays = out, keep
+
     def finished(self) -> _Round:
         """What the next round needs of this one (to tell late datagrams from repeated ones): no buffers."""
+        self.table = self.table_out = self._table_arrays = None
         self.x = self.res = self.res_u8 = None
         self.recv, self._headers = {}, {}
         self.open1 = self.open2 = False
@@ -1027,7 +1122,7 @@ class _Round:
         lost = ~up[:, :nseg]
         lost[self.me] = False
         if lost.any():   # what a lost segment's buffer holds is stale (maybe NaN): 0 times it must be 0
-            torch.from_numpy(vals).view(self.W, nseg, self.seg)[torch.from_numpy(lost)] = 0
+            vals.reshape(self.W, nseg, self.seg)[lost] = 0
         values = torch.from_numpy(vals[:, :n])
         weights = None if self.weights is None else torch.from_numpy(self.weights)
         arrived = up[:, :nseg]
