@@ -634,12 +634,7 @@ class UdpExchange:
                 self._st.sent += n
                 k += n
             elif -n in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-                self._poll.modify(self.sock, select.POLLIN | select.POLLOUT)
-                try:
-                    self._poll.poll(10)
-                finally:
-                    self._poll.modify(self.sock, select.POLLIN)
-                self._drain()
+                self._wait_for_room()
             elif -n == errno.ENOBUFS:
                 time.sleep(0.0001)
                 self._drain()
@@ -689,6 +684,15 @@ class UdpExchange:
         except (ConnectionRefusedError, ConnectionResetError):
             return False
 
+    def _wait_for_room(self) -> None:
+        """Up to 10 ms for room in the send buffer, then whatever arrived meanwhile is received."""
+        self._poll.modify(self.sock, select.POLLIN | select.POLLOUT)
+        try:
+            self._poll.poll(10)
+        finally:
+            self._poll.modify(self.sock, select.POLLIN)
+        self._drain()
+
     def _retrying(self, send: Callable[[], object]) -> None:
         """Sends, waiting for room in the send buffer (receiving meanwhile) when the kernel has none."""
         while True:
@@ -696,12 +700,7 @@ class UdpExchange:
                 send()
                 return
             except (BlockingIOError, InterruptedError):
-                self._poll.modify(self.sock, select.POLLIN | select.POLLOUT)
-                try:
-                    self._poll.poll(10)
-                finally:
-                    self._poll.modify(self.sock, select.POLLIN)
-                self._drain()
+                self._wait_for_room()
             except OSError as exc:
                 if exc.errno != errno.ENOBUFS:
                     raise
