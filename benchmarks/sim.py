@@ -66,7 +66,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shaky.comm.sim import SimComm  # noqa: E402
-from shaky.config import NetworkConfig, OptimConfig  # noqa: E402
+from shaky.config import NetworkConfig, OptimConfig, StrategyConfig  # noqa: E402
 from shaky.models import FlatParams, build_model  # noqa: E402
 from shaky.network.faults import Membership, Round  # noqa: E402
 from shaky.network.model import NetworkModel  # noqa: E402
@@ -151,7 +151,7 @@ class SimRound:
             self.grad_fn = (generic_functions(model, flat) if generic else
                             make_functions(model, flat, compile=compile))[0]
         self.params = flat.flatten(model)[None].repeat(workers, 1).contiguous()
-        self.strategy = REGISTRY["rps"](None, SGD(OptimConfig(lr=LR)))  # rps reads no strategy options
+        self.strategy = REGISTRY["rps"](StrategyConfig(name="rps"), SGD(OptimConfig(lr=LR)))
         self.state = self.strategy.init(self.params)
         self.comm = SimComm(workers)
         network = NetworkModel(NetworkConfig(drop_rate=DROP_RATE), workers, seed=0)

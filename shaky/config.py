@@ -44,6 +44,8 @@ UDP_OVERHEAD_BYTES = 52
 """Header and tag bytes of a udp datagram (``shaky.comm.udp.wire.OVERHEAD_BYTES``; a test checks they agree):
 a datagram of ``dist.datagram_bytes`` carries a segment of ``datagram_bytes - 52`` bytes."""
 DTYPES = ("float32", "float64")
+VALUE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+"""strategy.value_dtype's choices beside "" (shaky.comm.quant.FORMATS)."""
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:(0|[1-9][0-9]{0,3}))?")
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_STEPS = 10**9
@@ -295,6 +297,10 @@ class StrategyConfig:
     """diloco: momentum of the outer step (0.9 in the DiLoCo paper; 0 = plain outer SGD)."""
     outer_nesterov: bool = True
     """diloco: Nesterov momentum in the outer step (as the DiLoCo paper), else heavy-ball."""
+    value_dtype: str = field(default="", metadata=_UNSET_UNWRITTEN)
+    """How exchanged values travel: "" (as the model holds them), float32, bfloat16, float16 or int8 (a float32
+    scale a group of 256 values), each as the difference from a reference both ends hold (shaky.comm.quant);
+    the simulator only, for now."""
 
     def __post_init__(self) -> None:
         _check_choice("strategy.name", self.name, STRATEGIES)
@@ -303,11 +309,13 @@ class StrategyConfig:
                 raise ValueError(f"strategy.{name} must be >= 1, got {getattr(self, name)}")
         if self.delay > MAX_DELAY:
             raise ValueError(f"strategy.delay must be at most {MAX_DELAY}, got {self.delay}")
+        if self.value_dtype:
+            _check_choice("strategy.value_dtype", self.value_dtype, VALUE_DTYPES)
         _check_range("strategy.outer_lr", self.outer_lr, 0.0, math.inf, lo_open=True, hi_open=True)
         _check_range("strategy.outer_momentum", self.outer_momentum, 0.0, 1.0, hi_open=True)
         # One rule for every strategy: a setting away from its default must be one the strategy reads.
         for f in dataclasses.fields(self):
-            if f.name in ("name", "weighted") or f.name in STRATEGY_OPTIONS[self.name]:
+            if f.name in ("name", "weighted", "value_dtype") or f.name in STRATEGY_OPTIONS[self.name]:
                 continue
             if getattr(self, f.name) != f.default:
                 users = [n for n, options in STRATEGY_OPTIONS.items() if f.name in options]
@@ -578,6 +586,9 @@ class RunConfig:
 
     def _check_transport(self) -> None:
         udp = self.dist.transport == "udp"
+        if self.backend == "dist" and self.strategy.value_dtype:
+            raise ValueError(f"strategy.value_dtype = {self.strategy.value_dtype!r} needs backend sim for now: the "
+                             f"{self.dist.transport} transport sends values as the model holds them")
         if udp and self.backend != "dist":
             raise ValueError("dist.transport = \"udp\" needs backend dist (torchrun, one worker per process): the "
                              "simulator draws its losses from the network model")

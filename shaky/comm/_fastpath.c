@@ -17,7 +17,10 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <netinet/udp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#define SHAKY_X86 1
 #include <immintrin.h>
+#endif
 #include <openssl/aes.h>
 #include <openssl/crypto.h>
 #include <openssl/modes.h>
@@ -45,7 +48,8 @@
 
 /* AES-256 on one block with the CPU's AES instructions where it has them (the GCM context calls it twice a
  * datagram: the key's hash subkey once, then one block a nonce), else OpenSSL's AES_encrypt. The round keys are
- * kept as bytes (the context's buffer comes from Python, 16-byte alignment is not promised). */
+ * kept as bytes (the context's buffer comes from Python, 16-byte alignment is not promised). On a CPU that is not
+ * x86 the AES instructions are not compiled at all and OpenSSL's AES_encrypt does every block. */
 typedef struct {
     uint8_t rk[15 * 16];
     AES_KEY fallback;
@@ -53,6 +57,7 @@ typedef struct {
 
 static int have_aesni = -1;
 
+#ifdef SHAKY_X86
 __attribute__((target("aes,sse2"))) static __m128i expand_a(__m128i t1, __m128i t2) {
     __m128i t4;
     t2 = _mm_shuffle_epi32(t2, 0xff);
@@ -90,6 +95,8 @@ __attribute__((target("aes,sse2"))) static void aesni_block(const unsigned char 
     _mm_storeu_si128((__m128i *)out, _mm_aesenclast_si128(m, _mm_loadu_si128((const __m128i *)(rk + 16 * 14))));
 }
 
+#endif
+
 static void openssl_block(const unsigned char in[16], unsigned char out[16], const void *key) {
     AES_encrypt(in, out, &((const shaky_aes *)key)->fallback);
 }
@@ -114,7 +121,11 @@ size_t shaky_mac_size(void) { return sizeof(shaky_mac); }
 int shaky_mac_init(shaky_mac *m, const uint8_t *key, size_t n) {
     uint8_t pad[64];
     if (n != 32) return -1;
+#ifdef SHAKY_X86
     if (have_aesni < 0) have_aesni = __builtin_cpu_supports("aes") && __builtin_cpu_supports("sse2");
+#else
+    have_aesni = 0;
+#endif
     memset(m, 0, sizeof *m);
     memset(pad, 0, sizeof pad);
     memcpy(pad, key, n);
@@ -155,10 +166,13 @@ static GCM128_CONTEXT *keyed(shaky_mac *m, uint64_t run, uint32_t sender, uint64
     SHA256_Final(key, &c);
     s->valid = 0;
     block128_f block = openssl_block;
+#ifdef SHAKY_X86
     if (have_aesni == 1) {
         aesni_expand(key, s->aes.rk);
         block = aesni_block;
-    } else if (AES_set_encrypt_key(key, 256, &s->aes.fallback) != 0) {
+    } else
+#endif
+    if (AES_set_encrypt_key(key, 256, &s->aes.fallback) != 0) {
         OPENSSL_cleanse(key, sizeof key);
         return NULL;
     }

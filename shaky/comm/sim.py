@@ -56,6 +56,21 @@ class SimComm:
         return Done(self.block_average(x, up, down, weights=weights, servers=servers, overwrite=overwrite,
                                        segment_bytes=segment_bytes))
 
+    def server_averages(self, x: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None,
+                        servers: torch.Tensor, seg: int) -> torch.Tensor:
+        """Phase 1 alone (:func:`shaky.comm.rps.shares`, :func:`~shaky.comm.rps.server_average`): every value's
+        server average [D] over the senders whose segment of ``seg`` values (0: block) arrived, ``up`` per block
+        with each server's own part delivered (the quantized exchange, :mod:`shaky.comm.quant`, does phase 2)."""
+        w, dim = x.shape
+        weights = None if weights is None else on_device(weights, x.device)
+        share = rps.shares(on_device(up, x.device), weights, x.dtype)
+        avg = x.new_empty(dim)
+        for first, last, start, size in block_groups(dim, w):
+            nb, stop = last - first, start + (last - first) * size
+            rps.server_average(share[first:last], x[:, start:stop].view(w, nb, size).transpose(0, 1), seg,
+                               out=avg[start:stop].view(nb, size))
+        return avg
+
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
                       overwrite: bool = False, segment_bytes: int = 0) -> torch.Tensor:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from shaky.comm.quant import value_format
 from shaky.config import STRATEGY_OPTIONS, RunConfig, StrategyConfig
 from shaky.strategies.compose import (AverageGradients, AverageModels, AverageUpdates, ComposedState, Strategy,
                                       UpdatesState)
@@ -24,8 +25,16 @@ from shaky.strategies.optim import (LOCAL_OPTIMIZERS, SGD, AdamW, AdamWState, Lo
 from shaky.schedule import Schedule
 
 
+def _lossy(c: StrategyConfig) -> LossyBlockAverage:
+    return lossy_block_average(value_format(c.value_dtype))
+
+
+def _exact(c: StrategyConfig) -> ReliableMean:
+    return reliable_mean(value_format(c.value_dtype))
+
+
 def _average(c: StrategyConfig) -> Exchange:
-    return reliable_mean() if c.reliable else lossy_block_average()
+    return _exact(c) if c.reliable else _lossy(c)
 
 
 Builder = Callable[[StrategyConfig, LocalOptimizer], Strategy]
@@ -33,24 +42,24 @@ Builder = Callable[[StrategyConfig, LocalOptimizer], Strategy]
 REGISTRY: dict[str, Builder] = {
     # Synchronous SGD, the baseline of Yu et al. (ICML 2019): x_i <- x_i - lr * mean_k g_k, over a transport
     # that resends what it loses (drops cost time on the clock, never accuracy).
-    "allreduce": lambda c, opt: AverageGradients("allreduce", opt, reliable_mean()),
+    "allreduce": lambda c, opt: AverageGradients("allreduce", opt, _exact(c)),
     # The same gradient average through RPS's two lossy phases: where a block of the average is lost, worker i
     # keeps its own gradient block. Yu et al. show this is vulnerable to drops, unlike averaging models.
-    "lossy-allreduce": lambda c, opt: AverageGradients("lossy-allreduce", opt, lossy_block_average()),
+    "lossy-allreduce": lambda c, opt: AverageGradients("lossy-allreduce", opt, _lossy(c)),
     # RPS (Yu et al., "Distributed Learning over Unreliable Networks", ICML 2019, Algorithm 1): a local step
     # v_i = x_i - lr g_i, then server j averages block j over the v_i that arrived; x_i[j] takes that average
     # where it arrived, else keeps v_i[j]. With no drops this is synchronous SGD.
-    "rps": lambda c, opt: AverageModels("rps", opt, lossy_block_average()),
+    "rps": lambda c, opt: AverageModels("rps", opt, _lossy(c)),
     # Local SGD: the same model average every tau = period steps (tau = 1 is RPS).
     "local-sgd": lambda c, opt: AverageModels("local-sgd", opt, every(c.period, _average(c))),
     # RI-SGD (Haddadpour et al., "Trading Redundancy for Communication", ICML 2019): local SGD on redundant
     # data, each worker sampling from q of the W chunks (shaky.data.assign_chunks); the update is local SGD's.
-    "ri-sgd": lambda c, opt: AverageModels("ri-sgd", opt, every(c.period, lossy_block_average())),
+    "ri-sgd": lambda c, opt: AverageModels("ri-sgd", opt, every(c.period, _lossy(c))),
     # DTS (Zhu et al., "Distributed Training Across the World", 2019, in the accumulated-update form of Delayed
     # Gradient Averaging, NeurIPS 2021): x_i <- x_i + u_i every step; the U_i summed over a period of d steps
     # are averaged, and at step n + t - 1 x_i <- x_i - U_i(n) + avg_j U_j(n) (without the correction,
     # x_i <- x_i + avg_j U_j(n): plain stale SGD). t = 1 is synchronous SGD; d = tau, t = 1 is local SGD.
-    "dts": lambda c, opt: AverageUpdates("dts", opt, delayed(c.delay, every(c.period, lossy_block_average())),
+    "dts": lambda c, opt: AverageUpdates("dts", opt, delayed(c.delay, every(c.period, _lossy(c))),
                                          correction=c.correction),
     # DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023):
     # H = period local steps of the inner optimizer, then the pseudo-gradient anchor - avg_j x_j (the model at

@@ -29,7 +29,9 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from shaky.comm import quant
 from shaky.comm.base import Comm, Done, Handle
+from shaky.comm.quant import ValueFormat
 from shaky.geometry import LinkSample, block_sizes, segment_length, segment_values
 from shaky.network.clock import PhaseTraffic
 from shaky.network.faults import Membership, Round
@@ -123,30 +125,95 @@ class _Immediate:
         return handle.wait(), state, stats
 
 
+class MeanReference(NamedTuple):
+    """A quantized exact mean's reference (:func:`shaky.comm.quant.quantized_mean`)."""
+
+    ref: torch.Tensor
+    """[w, D]: the exchange's last result, alike on every live worker."""
+    held: torch.Tensor
+    """[w, 1], the rows' dtype: 1 where the worker holds ``ref`` (it took the last result), else 0."""
+    carry: torch.Tensor
+    """[w, D]: what the worker's rounding left out last time, sent with the next difference."""
+
+    WORKER_AXIS = ("ref", "held", "carry")
+
+
 class ReliableMean(_Immediate):
-    """The exact (weighted) mean over live workers: a ring all-reduce over a transport that resends."""
+    """The exact (weighted) mean over live workers: a ring all-reduce over a transport that resends.
+
+    ``fmt``: the values travel in that format (``strategy.value_dtype``), as differences from the last result
+    (:func:`shaky.comm.quant.quantized_mean`); None: as the rows hold them."""
+
+    def __init__(self, fmt: ValueFormat | None = None) -> None:
+        self.fmt = fmt
 
     def __repr__(self) -> str:
-        return "reliable_mean()"
+        return "reliable_mean()" if self.fmt is None else f"reliable_mean({self.fmt.name!r})"
+
+    def init(self, x: torch.Tensor) -> Any:
+        if self.fmt is None:
+            return ()
+        return MeanReference(torch.zeros_like(x), x.new_zeros(x.shape[0], 1), torch.zeros_like(x))
 
     def start(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
               fn: Then = None) -> tuple[Handle, Any, StepStats]:
-        handle = comm.start_mean(x, rnd.members.weights)
-        return then(handle, fn), state, StepStats(ring_allreduce_traffic(x, comm.num_workers, rnd.links, rnd.members))
+        if self.fmt is None:
+            handle = comm.start_mean(x, rnd.members.weights)
+            return then(handle, fn), state, StepStats(ring_allreduce_traffic(x, comm.num_workers, rnd.links,
+                                                                             rnd.members))
+        result, ref, held, carry, rounded = quant.quantized_mean(comm, x, rnd.members, *state, self.fmt,
+                                                                 rnd.links.segment_bytes)
+        stats = StepStats(ring_allreduce_traffic(x, comm.num_workers, rnd.links, rnd.members, fmt=self.fmt,
+                                                 rounded=rounded))
+        return then(Done(result), fn), MeanReference(ref, held, carry), stats
+
+
+class BlockStreams(NamedTuple):
+    """A quantized block average's streams (:func:`shaky.comm.quant.quantized_block_average`)."""
+
+    ref: torch.Tensor
+    """[w, D]: each worker's reference, the last value of each segment it took from the segment's server."""
+    sync: torch.Tensor
+    """[w, W, S], the rows' dtype: 1 where the worker holds its block's stream value of that segment."""
+    carry: torch.Tensor
+    """[w, D]: what the worker's rounding left out of each value it last sent (as a sender or as the value's
+    server), sent with the next difference."""
+
+    WORKER_AXIS = ("ref", "sync", "carry")
 
 
 class LossyBlockAverage(_Immediate):
     """RPS's two-phase block average over the lossy network, with failed servers' blocks moved on.
 
-    ``overwrite``: ``x`` is the caller's to give up; the average may be computed in its storage.
+    ``overwrite``: ``x`` is the caller's to give up; the average may be computed in its storage. ``fmt``: the
+    values travel in that format (``strategy.value_dtype``), as differences from each segment's stream
+    (:func:`shaky.comm.quant.quantized_block_average`); None: as the rows hold them.
     """
 
+    def __init__(self, fmt: ValueFormat | None = None) -> None:
+        self.fmt = fmt
+
     def __repr__(self) -> str:
-        return "lossy_block_average()"
+        return "lossy_block_average()" if self.fmt is None else f"lossy_block_average({self.fmt.name!r})"
+
+    def init(self, x: torch.Tensor) -> Any:
+        if self.fmt is None:
+            return ()
+        # (the segments' count is known at the first round: until then no worker is in sync)
+        return BlockStreams(torch.zeros_like(x), x.new_zeros(x.shape[0], 1, 1), torch.zeros_like(x))
 
     def start(self, x: torch.Tensor, comm: Comm, rnd: Round, state: Any, *, overwrite: bool = False,
               fn: Then = None) -> tuple[Handle, Any, StepStats]:
         m, links = rnd.members, rnd.links
+        if self.fmt is not None:
+            average = getattr(comm, "server_averages", None)
+            if average is None:
+                raise ValueError(f"strategy.value_dtype = {self.fmt.name!r} needs backend sim: this transport "
+                                 f"({type(comm).__name__}) sends values as the model holds them")
+            out, ref, sync, carry, up_q, down_q = quant.quantized_block_average(average, x, links, m, *state, self.fmt)
+            stats = StepStats(block_exchange_traffic(x, comm.num_workers, links, m, reliable=False, fmt=self.fmt,
+                                                     rounded=(up_q, down_q)))
+            return then(Done(out), fn), BlockStreams(ref, sync, carry), stats
         # Segment masks need their segments' size; block masks keep the call as it always was.
         segments = {"segment_bytes": links.segment_bytes} if links.segment_bytes else {}
         handle = comm.start_block_average(x, links.up, links.down, weights=m.weights,
@@ -155,12 +222,12 @@ class LossyBlockAverage(_Immediate):
         return then(handle, fn), state, stats
 
 
-def reliable_mean() -> ReliableMean:
-    return ReliableMean()
+def reliable_mean(fmt: ValueFormat | None = None) -> ReliableMean:
+    return ReliableMean(fmt)
 
 
-def lossy_block_average() -> LossyBlockAverage:
-    return LossyBlockAverage()
+def lossy_block_average(fmt: ValueFormat | None = None) -> LossyBlockAverage:
+    return LossyBlockAverage(fmt)
 
 
 class Every:
@@ -293,15 +360,17 @@ def outer(opt: OuterSGD, inner: Exchange) -> Outer:
 
 @lru_cache(maxsize=64)
 def _block_link_bytes(dim: int, num_workers: int, itemsize: int, servers: tuple[int, ...] | None,
-                      live: tuple[bool, ...] | None, seg_len: int = 0
+                      live: tuple[bool, ...] | None, seg_len: int = 0, fmt: ValueFormat | None = None
                       ) -> tuple[np.ndarray, np.ndarray, tuple[tuple[np.ndarray, np.ndarray], ...] | None]:
     """Bytes of each message in the two phases, up's [worker i, block j] and down's [block j, worker i]: [W, W],
     or [W, W, S] per segment with ``seg_len`` > 0; and the links they travel on where servers moved (up's
-    and down's ``PhaseTraffic.route``; None: block j's server is j, and a message's index is its link)."""
+    and down's ``PhaseTraffic.route``; None: block j's server is j, and a message's index is its link).
+    ``fmt``: the values in that format (with their scales), not ``itemsize`` bytes each."""
+    _values = (lambda n: fmt.bytes_of(n).astype(np.float64)) if fmt is not None else (lambda n: n * itemsize)
     if seg_len:
-        sizes = segment_values(block_sizes(dim, num_workers), seg_len) * itemsize   # [block, segment]
+        sizes = _values(segment_values(block_sizes(dim, num_workers), seg_len))   # [block, segment]
     else:
-        sizes = np.asarray(block_sizes(dim, num_workers), dtype=np.float64) * itemsize
+        sizes = _values(np.asarray(block_sizes(dim, num_workers), dtype=np.float64))
     routes = None
     if servers is None and live is None:
         off_diagonal = ~np.eye(num_workers, dtype=bool)
@@ -327,7 +396,9 @@ def _block_link_bytes(dim: int, num_workers: int, itemsize: int, servers: tuple[
 
 
 def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSample,
-                           members: Membership | None = None, *, reliable: bool) -> tuple[PhaseTraffic, PhaseTraffic]:
+                           members: Membership | None = None, *, reliable: bool, fmt: ValueFormat | None = None,
+                           rounded: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> tuple[PhaseTraffic, PhaseTraffic]:
     """The two phases of a block exchange of a [.., D] tensor among ``num_workers``.
 
     A reliable all-reduce (reduce-scatter then all-gather) moves the same blocks as
@@ -335,27 +406,40 @@ def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSa
     With segment masks ([W, W, S], ``links.segment_bytes`` > 0) the traffic is per segment:
     each segment is a message, and its bytes are the values it really holds. Each block is a message of its
     own (the masks are per block): with a dead worker's block moved, its successor's links carry two.
+
+    ``fmt`` and ``rounded``: the values travel in ``fmt`` (segments of ``fmt.segment_length``) where
+    ``rounded`` (up's and down's masks, bool like ``links``'s) says so, at the rows' own precision elsewhere
+    (:func:`shaky.comm.quant.quantized_block_average`).
     """
     some_dead = members is not None and not members.all_live
     servers = tuple(members.servers.tolist()) if some_dead else None
     live = tuple(members.live.tolist()) if some_dead else None
-    seg_len = segment_length(links.segment_bytes, params.element_size())
-    up, down, routes = _block_link_bytes(params.shape[-1], num_workers, params.element_size(), servers, live,
-                                         seg_len)
+    dim, itemsize = params.shape[-1], params.element_size()
+    if fmt is None:
+        up, down, routes = _block_link_bytes(dim, num_workers, itemsize, servers, live,
+                                             segment_length(links.segment_bytes, itemsize))
+    else:
+        seg_len = fmt.segment_length(links.segment_bytes)
+        up, down, routes = _block_link_bytes(dim, num_workers, itemsize, servers, live, seg_len)
+        up_q, down_q, _ = _block_link_bytes(dim, num_workers, itemsize, servers, live, seg_len, fmt)
+        up = np.where(rounded[0].numpy(), up_q, up)
+        down = np.where(rounded[1].numpy(), down_q, down)
     up_route, down_route = routes if routes is not None else (None, None)
     return (PhaseTraffic(up, links.up, reliable, up_route), PhaseTraffic(down, links.down, reliable, down_route))
 
 
 @lru_cache(maxsize=64)
 def _ring_link_bytes(dim: int, num_workers: int, itemsize: int,
-                     order: tuple[int, ...], seg_len: int = 0) -> tuple[np.ndarray, ...]:
+                     order: tuple[int, ...], seg_len: int = 0, fmt: ValueFormat | None = None
+                     ) -> tuple[np.ndarray, ...]:
     """Bytes on each link in each of the 2(n-1) hops of a ring all-reduce over the workers ``order``:
-    [W, W] each, or [W, W, S] per segment of the chunks with ``seg_len`` > 0."""
+    [W, W] each, or [W, W, S] per segment of the chunks with ``seg_len`` > 0 (``fmt``: values in that format)."""
     n = len(order)
+    _values = (lambda v: fmt.bytes_of(v).astype(np.float64)) if fmt is not None else (lambda v: v * itemsize)
     if seg_len:
-        sizes = segment_values(block_sizes(dim, n), seg_len) * itemsize   # [chunk, segment]
+        sizes = _values(segment_values(block_sizes(dim, n), seg_len))   # [chunk, segment]
     else:
-        sizes = np.asarray(block_sizes(dim, n), dtype=np.float64) * itemsize
+        sizes = _values(np.asarray(block_sizes(dim, n), dtype=np.float64))
     hops = []
     # Reduce-scatter hop s: the k-th worker of the ring passes its partial sum of chunk k - s on;
     # all-gather hop s: it passes the finished chunk k + 1 - s on.
@@ -370,7 +454,8 @@ def _ring_link_bytes(dim: int, num_workers: int, itemsize: int,
 
 
 def ring_allreduce_traffic(x: torch.Tensor, num_workers: int, links: LinkSample,
-                           members: Membership | None = None) -> tuple[PhaseTraffic, ...]:
+                           members: Membership | None = None, *, fmt: ValueFormat | None = None,
+                           rounded: bool = True) -> tuple[PhaseTraffic, ...]:
     """The 2(n-1) hops of a reliable ring all-reduce (reduce-scatter, then all-gather) of a [.., D] tensor.
 
     The ring runs over the n live workers in index order; in every hop each sends one
@@ -382,15 +467,18 @@ def ring_allreduce_traffic(x: torch.Tensor, num_workers: int, links: LinkSample,
     (with a per-link drop matrix, a ring message is lost at the rate of one of its
     sender's links in turn; see docs/clock.md). With segment masks each chunk is cut
     into segments like a block, and its segment k takes that draw's segment k mod S
-    (a chunk has more segments than a block only when workers are dead).
+    (a chunk has more segments than a block only when workers are dead). ``fmt``: the values travel in that
+    format (``strategy.value_dtype``; its segments hold ``fmt.segment_length`` values), or, with ``rounded``
+    False, in that format's segments at the rows' own precision (a quantized mean's first round).
     """
     order = tuple(range(num_workers)) if members is None or members.all_live else \
         tuple(torch.nonzero(members.live)[:, 0].tolist())
     n = len(order)
     if n < 2:
         return ()
-    seg_len = segment_length(links.segment_bytes, x.element_size())
-    hops = _ring_link_bytes(x.shape[-1], num_workers, x.element_size(), order, seg_len)
+    seg_len = (segment_length(links.segment_bytes, x.element_size()) if fmt is None
+               else fmt.segment_length(links.segment_bytes))
+    hops = _ring_link_bytes(x.shape[-1], num_workers, x.element_size(), order, seg_len, fmt if rounded else None)
     ring = torch.tensor(order)
     senders, receivers = ring, ring.roll(-1)
     pick = torch.arange(hops[0].shape[2]) % links.up.shape[2] if seg_len else None

@@ -1,0 +1,242 @@
+"""Values on the wire in fewer bytes (``strategy.value_dtype``), written once for every backend that sends them.
+
+What travels is never a model rounded to the wire's type: rounding a model every round would lose every update
+smaller than half a step of the grid. What travels is the difference between a worker's values and a
+**reference both ends hold exactly**, rounded; the receiver adds it back to its copy of the reference. The
+result becomes the next reference, so a rounding error lives one round and never accumulates:
+
+- an exact mean (:func:`quantized_mean`): the reference is the exchange's last result, which every live worker
+  holds bit for bit (a reliable mean gives every rank the same row). The first round, and a round in which some
+  live worker holds no reference (it rejoined), sends the values themselves at the model's precision.
+- RPS's block average (:func:`quantized_block_average`): every block is a *stream*. Its server's reference is the
+  value it last handed out, ``b``; the server sends ``q_t = Q(a_t - b)`` and ``b + deq(q_t)`` becomes everyone's
+  model and reference (the server's too). A worker that holds ``b`` (it is *in sync* on that segment) sends
+  ``Q(x_i - b)``; one that does not (a lost phase-2 segment, a rejoin, the first round) sends its values at the
+  model's precision and says so, and its server then sends it the new ``b`` whole, also at the model's precision,
+  which puts it back in sync. A segment of ``q_t`` that reaches a worker not in sync is of no use to it: it is a
+  loss like any other (it keeps its own values). Nothing else is ever agreed: whether a sender is in sync is
+  known from what it sent; whether a receiver whose phase-1 segment was lost is in sync is not known, so it is
+  sent ``q_t``.
+
+Formats: ``float32``, ``bfloat16`` and ``float16`` round to the nearest value of the type; ``int8`` rounds
+``d / scale`` to the nearest integer in [-127, 127] (ties to even), with one float32 ``scale = max|d| / 127`` a
+group of :data:`GROUP` values, carried in the segment beside them (a lost segment costs only itself). A
+segment of ``segment_bytes`` holds as many values as fit with their scales (:meth:`ValueFormat.segment_length`).
+
+Everything here is elementwise (or an exact maximum) in the model's dtype, so the same values give the same
+bits on every backend and every CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from shaky.geometry import block_sizes
+
+GROUP = 256
+"""Values that share one int8 scale: a segment's values are cut into groups of this many, from its start."""
+
+
+@dataclass(frozen=True, slots=True)
+class ValueFormat:
+    """How a value travels: ``name`` (a torch dtype's name), ``itemsize`` bytes each, and ``scale_bytes`` per
+    group of :data:`GROUP` values (int8's float32 scale; 0 for a float type)."""
+
+    name: str
+    itemsize: int
+    scale_bytes: int = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.name)
+
+    def segment_length(self, segment_bytes: int) -> int:
+        """The values a segment of ``segment_bytes`` bytes holds, scales included (0: no segments)."""
+        if segment_bytes <= 0:
+            return 0
+        n = max(1, segment_bytes // self.itemsize)
+        while n > 1 and self.bytes_of(n) > segment_bytes:
+            n -= 1
+        return n
+
+    def bytes_of(self, values: int | np.ndarray) -> int | np.ndarray:
+        """Bytes on the wire of a message (or each message) of ``values`` values: theirs and their scales'."""
+        if not self.scale_bytes:
+            return values * self.itemsize
+        return values * self.itemsize + self.scale_bytes * -(-np.asarray(values) // GROUP)
+
+
+FORMATS = {"float32": ValueFormat("float32", 4), "bfloat16": ValueFormat("bfloat16", 2),
+           "float16": ValueFormat("float16", 2), "int8": ValueFormat("int8", 1, 4)}
+"""The formats ``strategy.value_dtype`` names ("": the model's own dtype, nothing rounded)."""
+
+
+def value_format(name: str) -> ValueFormat | None:
+    """The format ``strategy.value_dtype`` names, or None for "" (values travel as the model holds them)."""
+    return FORMATS[name] if name else None
+
+
+@lru_cache(maxsize=32)
+def group_ids(dim: int, num_blocks: int, seg_len: int) -> tuple[torch.Tensor, int]:
+    """int64 [dim]: the int8 scale group of each value of a row cut into ``num_blocks`` blocks and each block into
+    segments of ``seg_len`` values (0: a block is one segment), groups of :data:`GROUP` counted from each
+    segment's start; and the number of groups."""
+    ids, start, base = np.empty(dim, np.int64), 0, 0
+    for n in block_sizes(dim, num_blocks):
+        length = seg_len if seg_len > 0 else max(n, 1)
+        for first in range(0, n, length):
+            size = min(length, n - first)
+            ids[start + first:start + first + size] = base + np.arange(size) // GROUP
+            base += -(-size // GROUP)
+        start += n
+    return torch.from_numpy(ids), base
+
+
+@lru_cache(maxsize=32)
+def segment_index(dim: int, num_blocks: int, seg_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 [dim] each: the block and the segment within it of every value of a row (segment 0 when
+    ``seg_len`` is 0): the index that spreads a [.., W, S] mask over the row's values."""
+    blocks, segs, start = np.empty(dim, np.int64), np.empty(dim, np.int64), 0
+    for j, n in enumerate(block_sizes(dim, num_blocks)):
+        blocks[start:start + n] = j
+        segs[start:start + n] = np.arange(n) // seg_len if seg_len > 0 else 0
+        start += n
+    return torch.from_numpy(blocks), torch.from_numpy(segs)
+
+
+def round_trip(d: torch.Tensor, fmt: ValueFormat, groups: tuple[torch.Tensor, int] | None) -> torch.Tensor:
+    """``deq(Q(d))``: what a receiver recovers of ``d`` [..., dim] sent in ``fmt``, in ``d``'s dtype.
+
+    ``groups``: :func:`group_ids` of the row's layout (int8 only). An int8 group of zeros has scale 0 and comes
+    back as zeros."""
+    if fmt.scale_bytes == 0:
+        return d.to(fmt.dtype).to(d.dtype)
+    ids, count = groups
+    ids = ids.to(d.device)
+    flat = d.reshape(-1, d.shape[-1])
+    amax = flat.new_zeros(flat.shape[0], count).scatter_reduce_(1, ids.expand_as(flat), flat.abs(), "amax")
+    # The scale travels as float32: it is rounded to float32 before either end uses it.
+    scale = (amax / 127).to(torch.float32).to(d.dtype)
+    per_value = scale[:, ids]
+    safe = torch.where(per_value > 0, per_value, torch.ones_like(per_value))
+    q = torch.round(flat / safe).clamp_(-127, 127)
+    return (q * per_value).reshape(d.shape)
+
+
+def encode(d: torch.Tensor, fmt: ValueFormat, groups: tuple[torch.Tensor, int] | None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``Q(d)`` as it travels: the values in ``fmt`` and, for int8, the float32 scale of each group (a
+    transport's payload). :func:`decode` of it equals :func:`round_trip`."""
+    if fmt.scale_bytes == 0:
+        return d.to(fmt.dtype), None
+    ids, count = groups
+    flat = d.reshape(-1, d.shape[-1])
+    amax = flat.new_zeros(flat.shape[0], count).scatter_reduce_(1, ids.expand_as(flat), flat.abs(), "amax")
+    scale32 = (amax / 127).to(torch.float32)
+    per_value = scale32.to(d.dtype)[:, ids]
+    safe = torch.where(per_value > 0, per_value, torch.ones_like(per_value))
+    q = torch.round(flat / safe).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(d.shape), scale32.reshape(*d.shape[:-1], count)
+
+
+def decode(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+           groups: tuple[torch.Tensor, int] | None) -> torch.Tensor:
+    """The values :func:`encode` sent, in ``dtype``."""
+    if scale is None:
+        return q.to(dtype)
+    ids, _ = groups
+    flat = q.reshape(-1, q.shape[-1]).to(dtype)
+    return (flat * scale.reshape(flat.shape[0], -1).to(dtype)[:, ids]).reshape(q.shape)
+
+
+def quantized_mean(comm, x: torch.Tensor, members, ref: torch.Tensor, held: torch.Tensor, carry: torch.Tensor,
+                   fmt: ValueFormat, segment_bytes: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The exact (weighted) mean of ``x`` [w, D] with its values sent in ``fmt``, against the last result.
+
+    ``ref`` [w, D]: the exchange's last result; ``held`` [w, 1]: 1 where a worker holds it; ``carry`` [w, D]:
+    what each worker's rounding left out last time (error feedback: it is sent with the next difference). Where
+    every live worker holds the reference, each sends ``Q(x_i - ref + carry_i)`` and the result is
+    ``ref + mean_i deq(...)``; otherwise (the first round, a worker back from the dead) the values are sent as
+    they are and the result is the plain mean. A simulated ring counts each worker's rounding once (a real one
+    that sums partial results in ``fmt`` rounds again at each hop). Returns (result [w, D], new ref, new held,
+    new carry, whether the values were rounded).
+    """
+    rows = comm.rows
+    live = (members.live & ~members.rejoined)[rows].to(x.dtype)[:, None]
+    # Every live worker holds the reference: the live-weighted mean of ``held`` is exactly 1 (a sum of ones).
+    everyone = bool((comm.mean(held * live + (1 - live), members.live.to(x.dtype)) == 1).all())
+    if everyone:
+        groups = group_ids(x.shape[1], comm.num_workers, fmt.segment_length(segment_bytes)) \
+            if fmt.scale_bytes else None
+        d = x - ref + carry
+        sent = round_trip(d, fmt, groups)
+        result, carry = ref + comm.mean(sent, members.weights), d - sent
+    else:
+        result, carry = comm.mean(x, members.weights), torch.zeros_like(carry)
+    result = result.contiguous() if result.stride(0) == 0 else result
+    taken = members.live[rows].to(torch.bool)[:, None]
+    return result, torch.where(taken, result, ref), taken.to(x.dtype), carry, everyone
+
+
+def quantized_block_average(server_averages, x: torch.Tensor, links, members, ref: torch.Tensor,
+                            sync: torch.Tensor, carry: torch.Tensor, fmt: ValueFormat
+                            ) -> tuple[torch.Tensor, ...]:
+    """RPS's block average (:mod:`shaky.comm.rps`) with the values sent in ``fmt`` against each segment's stream
+    (the module docstring), over every worker's row at once (the simulator: ``x`` is [W, D]).
+
+    ``server_averages(sent, up, weights, servers, seg)``: phase 1, each value's server average [D] of what
+    arrived (the comm's). ``ref`` [W, D], ``sync`` [W, W, S] (or any other shape before the first round: nobody
+    in sync), ``carry`` [W, D]: :class:`shaky.strategies.exchange.BlockStreams`. Error feedback: what a worker's
+    rounding left out of a value it sent, as a sender in phase 1 or as the value's server in phase 2, is added
+    to what it sends of that value next time (where it sends it whole, nothing is left out). Returns the new
+    rows, ref, sync and carry, and which messages carried rounded values, up's and down's (bool, the masks'
+    shape; the others carried the rows' own precision).
+    """
+    w, dim = x.shape
+    seg = fmt.segment_length(links.segment_bytes)
+    blocks = torch.arange(w)
+    srv = blocks if members.all_live else members.servers.to(torch.int64)
+    from shaky.comm.rps import own_parts_delivered   # (rps imports nothing of this module)
+    up, down = own_parts_delivered(links.up, links.down, srv)
+    segmented = up.dim() == 3
+    up3, down3 = (up, down) if segmented else (up[..., None], down[..., None])
+    device = x.device   # (the masks and the membership are drawn on the host)
+    up3, down3, srv, blocks = (t.to(device) for t in (up3, down3, srv, blocks))
+    live, present = members.live.to(device), (members.live & ~members.rejoined).to(device)
+    num_segments = up3.shape[2]
+    insync = (sync > 0.5) & present[:, None, None] if tuple(sync.shape) == (w, w, num_segments) else \
+        torch.zeros(w, w, num_segments, dtype=torch.bool, device=device)
+    own = torch.zeros(w, w, 1, dtype=torch.bool, device=device)
+    own[srv, blocks] = True
+    server_sync = insync[srv, blocks]                              # [block, S]: its server holds the stream
+    rounded_up = insync & server_sync[None] & ~own                 # [sender, block, S]
+    blk, sidx = (t.to(device) for t in segment_index(dim, w, seg))
+    groups = group_ids(dim, w, seg) if fmt.scale_bytes else None
+    rounded_pos = rounded_up[:, blk, sidx]
+    d = x - ref + carry
+    d_sent = round_trip(d, fmt, groups)
+    sent = torch.where(rounded_pos, ref + d_sent, x)
+    avg = server_averages(sent, up, members.weights, srv, seg)     # [D]
+    positions = torch.arange(dim, device=device)
+    server_of = srv[blk]
+    b = ref[server_of, positions]                                  # each value's server's reference
+    streaming = server_sync[blk, sidx]
+    target = avg + carry[server_of, positions]
+    step = round_trip((target - b)[None], fmt, groups)[0]
+    stream = torch.where(streaming, b + step, avg)
+    carry = torch.where(rounded_pos, d - d_sent, torch.zeros_like(d))
+    carry[server_of, positions] = torch.where(streaming, target - b - step, torch.zeros_like(b))
+    whole = ~server_sync[None] | (up3 & ~insync)                   # [receiver, block, S]: sent the new value whole
+    take = (down3.transpose(0, 1) & (whole | insync) & live[:, None, None]) | own
+    take_pos = take[:, blk, sidx]
+    out = torch.where(take_pos, stream[None], x)
+    new_ref = torch.where(take_pos, stream[None], ref)
+    rounded_down = (~whole & ~own).transpose(0, 1)
+    if not segmented:
+        rounded_up, rounded_down = rounded_up[..., 0], rounded_down[..., 0]
+    return out, new_ref, take.to(x.dtype), carry, rounded_up.cpu(), rounded_down.cpu()
