@@ -12,7 +12,9 @@ In two parts, because the second needs the run's model and data:
   the data and the trace are what the run's last start read (their digests, ``machines.json``): a path may
   move, what it holds may not, and a run may not start or stop replaying a trace half way.
 
-:func:`check_finished`: a finished run's summary.json is the summary of its own config.
+:func:`check_finished`: a finished run's summary.json is the summary of its own config;
+:func:`check_finished_data`: and it was trained on the data its config reads today (a text file, a CIFAR-10
+directory or a library's set may have changed since).
 
 Every failure is a ValueError in one line naming the file and what differs (the command line turns it into
 status 2), raised before anything is changed.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from shaky.config import MACHINE_SETTINGS, RunConfig, machine_settings, to_dict
@@ -147,6 +150,21 @@ def check_finished(run_dir: Path, digest: str, fields: dict[str, Any]) -> None:
             raise ValueError(f"{path} is the summary of a run with {name} {summary[name]!r}, but "
                              f"{run_dir / CONFIG_FILE} says {value!r}: it was not written by this run; delete it to "
                              "run the run again")
+
+
+def check_finished_data(run_dir: Path, cfg: RunConfig, digest_now: Callable[[RunConfig], str]) -> None:
+    """``run_dir``, a finished run, was trained on the data that ``cfg`` reads now (``digest_now(cfg)``:
+    :func:`shaky.setup.data_digest` of it), as its last start recorded in ``machines.json``, else ValueError. A run
+    without that record (one finished before shaky kept it) is taken as it is."""
+    recorded = (read_machines(run_dir).get(0) or {}).get("inputs", {}).get("data")
+    if recorded is None:
+        return
+    now = digest_now(cfg)
+    if now != recorded:
+        where = f"data.path {cfg.data.path!r}" if cfg.data.path else f"data.dataset {cfg.data.dataset!r}"
+        raise ValueError(f"{run_dir} finished on other {cfg.data.dataset} data than {where} gives now (sha256 "
+                         f"{recorded[:12]} then, {now[:12]} now): its results are not this sweep's; delete it to "
+                         "run the run again")
 
 
 def summary_fields(cfg: RunConfig) -> dict[str, Any]:

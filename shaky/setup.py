@@ -250,13 +250,7 @@ def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = No
     if device.type == "cuda":
         deterministic_cuda()
         torch.cuda.set_device(device)
-    if data is None and ":" in cfg.data.dataset:    # a factory's (shaky.user), called under the seed
-        data = load_data(cfg.data.dataset, cfg.seed)
-    if data is None:
-        data = load_dataset(cfg.data.dataset, seed=cfg.seed, path=cfg.data.path,
-                            test_fraction=cfg.data.test_fraction, max_len=cfg.data.max_len)
-    if data.x_train.is_floating_point():
-        data = dataclasses.replace(data, x_train=data.x_train.to(dtype), x_test=data.x_test.to(dtype))
+    data = read_data(cfg, data)
     sequences = data.y_train.dim() > 1     # a target per position: next-token prediction
     if sequences and cfg.data.partition != "iid":
         raise ValueError(f"data.partition {cfg.data.partition!r} cuts by class label; data.dataset "
@@ -293,6 +287,36 @@ def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = No
     return setup
 
 
+def read_data(cfg: RunConfig, data: Dataset | None = None) -> Dataset:
+    """The run's data set as it trains on it: ``data`` (an object given to :func:`shaky.simulate`), a factory's
+    (shaky.user, called under the seed) or a built-in set (split by the seed), features in the run's dtype."""
+    if data is None and ":" in cfg.data.dataset:
+        data = load_data(cfg.data.dataset, cfg.seed)
+    if data is None:
+        data = load_dataset(cfg.data.dataset, seed=cfg.seed, path=cfg.data.path,
+                            test_fraction=cfg.data.test_fraction, max_len=cfg.data.max_len)
+    if data.x_train.is_floating_point():
+        dtype = getattr(torch, cfg.dtype)
+        data = dataclasses.replace(data, x_train=data.x_train.to(dtype), x_test=data.x_test.to(dtype))
+    return data
+
+
+def _digest(*arrays: torch.Tensor | np.ndarray, meta: object) -> str:
+    h = hashlib.sha256(json.dumps(meta).encode())
+    for a in arrays:
+        t = torch.as_tensor(a).detach().cpu().contiguous()
+        h.update(f"{t.dtype}{list(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def data_digest(d: Dataset) -> str:
+    """SHA-256 of a data set as a run trains on it (train and test, and what describes them): the ``data`` entry
+    of :func:`inputs_digest`."""
+    return _digest(d.x_train, d.y_train, d.x_test, d.y_test,
+                   meta=[d.name, list(d.input_shape), d.num_classes, d.vocab_size, list(d.classes)])
+
+
 def inputs_digest(setup: Setup) -> dict[str, str]:
     """SHA-256 of what this machine read for the run from its own files and libraries, by setting: ``data`` (the
     data set after loading and splitting, train and test: another copy of a CIFAR-10 directory or text file, or
@@ -302,19 +326,9 @@ def inputs_digest(setup: Setup) -> dict[str, str]:
     if setup.digests is not None:
         return dict(setup.digests)
 
-    def digest(*arrays: torch.Tensor | np.ndarray, meta: object) -> str:
-        h = hashlib.sha256(json.dumps(meta).encode())
-        for a in arrays:
-            t = torch.as_tensor(a).detach().cpu().contiguous()
-            h.update(f"{t.dtype}{list(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-        return h.hexdigest()
-
-    d = setup.data
-    out = {"data": digest(d.x_train, d.y_train, d.x_test, d.y_test,
-                          meta=[d.name, list(d.input_shape), d.num_classes, d.vocab_size, list(d.classes)])}
+    out = {"data": data_digest(setup.data)}
     if isinstance(setup.network, TraceNetwork):
-        out["network.trace"] = digest(*setup.network.packed, meta="trace")
+        out["network.trace"] = _digest(*setup.network.packed, meta="trace")
     setup.digests = out
     return dict(out)
 

@@ -47,7 +47,7 @@ import tomli_w
 from shaky.config import (MAX_SCALE_PERIOD, RunConfig, _build, config_from_dict, load_toml, parse_value, set_dotted,
                           to_dict)
 from shaky.interrupt import Stopped, exit_quietly
-from shaky.resumable import check_finished, config_digest, summary_fields, values_digest
+from shaky.resumable import check_finished, check_finished_data, config_digest, summary_fields, values_digest
 from shaky.rundir import (CHECKPOINT_FILE, CONFIG_FILE, RUN_FILES, SUMMARY_FILE, atomic_write, load_run_config,
                           write_json)
 from shaky.sweep_spec import check_sweep_spec
@@ -403,12 +403,29 @@ def run_status(run_dir: Path, values: dict[str, Any], kind: str = "train") -> st
 
 
 def _check_finished(run_dir: Path, values: dict[str, Any], kind: str) -> None:
-    """A run is finished when its summary is the summary of its own config (``shaky.resumable.check_finished``)."""
+    """A run is finished when its summary is the summary of its own config (``shaky.resumable.check_finished``),
+    trained on the data that config reads now (``check_finished_data``)."""
     if kind == "train":
         cfg, _ = build_run(values, kind)
         check_finished(run_dir, config_digest(cfg), summary_fields(cfg))
+        check_finished_data(run_dir, cfg, _data_digest)
     else:
         check_finished(run_dir, values_digest(values), {"strategy": values.get("strategy", {}).get("name")})
+
+
+_DATA_DIGESTS: dict[str, str] = {}
+""":func:`_data_digest`'s results during one :func:`plan`, by the settings that decide a run's data."""
+
+
+def _data_digest(cfg: RunConfig) -> str:
+    """:func:`shaky.setup.data_digest` of the data ``cfg`` reads now, read once per distinct data settings (a
+    sweep's finished runs share a handful)."""
+    from shaky.setup import data_digest, read_data  # noqa: PLC0415 (torch)
+
+    key = json.dumps([to_dict(cfg.data), cfg.seed, cfg.dtype], sort_keys=True)
+    if key not in _DATA_DIGESTS:
+        _DATA_DIGESTS[key] = data_digest(read_data(cfg))
+    return _DATA_DIGESTS[key]
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> str:
@@ -431,6 +448,7 @@ def _cost(values: dict[str, Any], kind: str) -> float:
 
 def plan(sweeps: Sequence[Sweep], out: Path) -> tuple[list[Task], int]:
     """The runs still to do (longest first) and how many are already finished; checks every run directory."""
+    _DATA_DIGESTS.clear()   # (read afresh by every plan: a file may have changed since the last one)
     tasks, done = [], 0
     for sweep in sweeps:
         for point in sweep.points:

@@ -218,6 +218,29 @@ def test_run_directories_of_another_config_or_with_stray_files_are_refused(
     assert (run_dir / "notes.txt").read_text() == "mine"
 
 
+def test_a_finished_run_on_data_that_changed_since_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A sweep takes a finished run as done only if its data is what the run trained on: the text at data.path
+    edited since gives one line, status 2, and the run is left as it was."""
+    monkeypatch.chdir(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text(synthetic_text(4000), encoding="ascii")
+    path = _write(tmp_path / "s.toml", "[base]\nnum_workers = 2\nsteps = 2\nbatch_size = 4\neval_every = 1\n"
+                  f'data = {{ dataset = "bytes", path = "{text}", max_len = 8 }}\nmodel = {{ name = "gpt" }}\n'
+                  "network = { compute_ms = 1.0 }\n[grid]\nseed = [0]\n")
+    assert main(["sweep", str(path), "--out", "sw", "--quiet"]) == 0
+    run_dir = tmp_path / "sw" / "s" / "seed=0"
+    summary = (run_dir / "summary.json").read_bytes()
+    assert main(["sweep", str(path), "--out", "sw", "--quiet"]) == 0          # the same text: finished
+    assert (run_dir / "summary.json").read_bytes() == summary
+    capsys.readouterr()
+    text.write_text(synthetic_text(4000)[::-1], encoding="ascii")
+    assert main(["sweep", str(path), "--out", "sw", "--quiet"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "finished on other bytes data than data.path" in err[0], err
+    assert (run_dir / "summary.json").read_bytes() == summary
+
+
 def test_parallel_processes_give_the_numbers_of_one_process(tmp_path: Path) -> None:
     sweep = _sweep({"strategy.name": ["rps", "lossy-allreduce"]}, {**TINY_BASE, "network": {"compute_ms": 1.0,
                    "drop_rate": 0.2}})

@@ -108,6 +108,18 @@ def segment_index(dim: int, num_blocks: int, seg_len: int) -> tuple[torch.Tensor
     return torch.from_numpy(blocks), torch.from_numpy(segs)
 
 
+@lru_cache(maxsize=32)
+def _spread_index(dim: int, num_blocks: int, seg_len: int, num_segments: int) -> torch.Tensor:
+    """int64 [dim]: each value's place in a [.., W, S] mask flattened to [.., W * S] (:func:`segment_index`)."""
+    blocks, segs = segment_index(dim, num_blocks, seg_len)
+    return blocks * num_segments + segs
+
+
+def _columns(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``t[:, ids]``: each row's entries at ``ids``."""
+    return t.index_select(1, ids)
+
+
 def round_trip(d: torch.Tensor, fmt: ValueFormat, groups: tuple[torch.Tensor, int] | None) -> torch.Tensor:
     """``deq(Q(d))``: what a receiver recovers of ``d`` [..., dim] sent in ``fmt``, in ``d``'s dtype.
 
@@ -121,7 +133,7 @@ def round_trip(d: torch.Tensor, fmt: ValueFormat, groups: tuple[torch.Tensor, in
     amax = flat.new_zeros(flat.shape[0], count).scatter_reduce_(1, ids.expand_as(flat), flat.abs(), "amax")
     # The scale travels as float32: it is rounded to float32 before either end uses it.
     scale = (amax / 127).to(torch.float32).to(d.dtype)
-    per_value = scale[:, ids]
+    per_value = _columns(scale, ids)
     safe = torch.where(per_value > 0, per_value, torch.ones_like(per_value))
     q = torch.round(flat / safe).clamp_(-127, 127)
     return (q * per_value).reshape(d.shape)
@@ -137,7 +149,7 @@ def encode(d: torch.Tensor, fmt: ValueFormat, groups: tuple[torch.Tensor, int] |
     flat = d.reshape(-1, d.shape[-1])
     amax = flat.new_zeros(flat.shape[0], count).scatter_reduce_(1, ids.expand_as(flat), flat.abs(), "amax")
     scale32 = (amax / 127).to(torch.float32)
-    per_value = scale32.to(d.dtype)[:, ids]
+    per_value = _columns(scale32.to(d.dtype), ids)
     safe = torch.where(per_value > 0, per_value, torch.ones_like(per_value))
     q = torch.round(flat / safe).clamp_(-127, 127).to(torch.int8)
     return q.reshape(d.shape), scale32.reshape(*d.shape[:-1], count)
@@ -150,7 +162,7 @@ def decode(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
         return q.to(dtype)
     ids, _ = groups
     flat = q.reshape(-1, q.shape[-1]).to(dtype)
-    return (flat * scale.reshape(flat.shape[0], -1).to(dtype)[:, ids]).reshape(q.shape)
+    return (flat * _columns(scale.reshape(flat.shape[0], -1).to(dtype), ids)).reshape(q.shape)
 
 
 def quantized_mean(comm, x: torch.Tensor, members, ref: torch.Tensor, held: torch.Tensor, carry: torch.Tensor,
@@ -215,25 +227,30 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     own[srv, blocks] = True
     server_sync = insync[srv, blocks]                              # [block, S]: its server holds the stream
     rounded_up = insync & server_sync[None] & ~own                 # [sender, block, S]
-    blk, sidx = (t.to(device) for t in segment_index(dim, w, seg))
+    blk = segment_index(dim, w, seg)[0].to(device)
+    spread = _spread_index(dim, w, seg, num_segments).to(device)
+
+    def per_value(mask: torch.Tensor) -> torch.Tensor:       # [W, S] -> [D], [w, W, S] -> [w, D]
+        return mask.reshape(*mask.shape[:-2], -1).index_select(-1, spread)
+
     groups = group_ids(dim, w, seg) if fmt.scale_bytes else None
-    rounded_pos = rounded_up[:, blk, sidx]
+    rounded_pos = per_value(rounded_up)
     d = x - ref + carry
     d_sent = round_trip(d, fmt, groups)
     sent = torch.where(rounded_pos, ref + d_sent, x)
     avg = server_averages(sent, up, members.weights, srv, seg)     # [D]
-    positions = torch.arange(dim, device=device)
-    server_of = srv[blk]
-    b = ref[server_of, positions]                                  # each value's server's reference
-    streaming = server_sync[blk, sidx]
-    target = avg + carry[server_of, positions]
+    # each value's server's reference and carry: the server's row of them, read at that value
+    at_server = srv[blk] * dim + torch.arange(dim, device=device)
+    b = ref.reshape(-1).take(at_server)
+    streaming = per_value(server_sync)
+    target = avg + carry.reshape(-1).take(at_server)
     step = round_trip((target - b)[None], fmt, groups)[0]
     stream = torch.where(streaming, b + step, avg)
     carry = torch.where(rounded_pos, d - d_sent, torch.zeros_like(d))
-    carry[server_of, positions] = torch.where(streaming, target - b - step, torch.zeros_like(b))
+    carry.view(-1).index_copy_(0, at_server, torch.where(streaming, target - b - step, torch.zeros_like(b)))
     whole = ~server_sync[None] | (up3 & ~insync)                   # [receiver, block, S]: sent the new value whole
     take = (down3.transpose(0, 1) & (whole | insync) & live[:, None, None]) | own
-    take_pos = take[:, blk, sidx]
+    take_pos = per_value(take)
     out = torch.where(take_pos, stream[None], x)
     new_ref = torch.where(take_pos, stream[None], ref)
     rounded_down = (~whole & ~own).transpose(0, 1)
