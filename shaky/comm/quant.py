@@ -115,9 +115,17 @@ def _spread_index(dim: int, num_blocks: int, seg_len: int, num_segments: int) ->
     return blocks * num_segments + segs
 
 
+def _take(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``t[..., ids]``: each row's entries at ``ids`` (numpy's take on the CPU, three times torch's index_select
+    along the last dimension there)."""
+    if t.device.type == "cpu":
+        return torch.from_numpy(np.take(t.numpy(), ids.numpy(), axis=-1))
+    return t.index_select(-1, ids.to(t.device))
+
+
 def _columns(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``t[:, ids]``: each row's entries at ``ids``."""
-    return t.index_select(1, ids)
+    return _take(t, ids)
 
 
 def round_trip(d: torch.Tensor, fmt: ValueFormat, groups: tuple[torch.Tensor, int] | None) -> torch.Tensor:
@@ -228,10 +236,10 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     server_sync = insync[srv, blocks]                              # [block, S]: its server holds the stream
     rounded_up = insync & server_sync[None] & ~own                 # [sender, block, S]
     blk = segment_index(dim, w, seg)[0].to(device)
-    spread = _spread_index(dim, w, seg, num_segments).to(device)
+    spread = _spread_index(dim, w, seg, num_segments)
 
     def per_value(mask: torch.Tensor) -> torch.Tensor:       # [W, S] -> [D], [w, W, S] -> [w, D]
-        return mask.reshape(*mask.shape[:-2], -1).index_select(-1, spread)
+        return _take(mask.reshape(*mask.shape[:-2], -1), spread)
 
     groups = group_ids(dim, w, seg) if fmt.scale_bytes else None
     rounded_pos = per_value(rounded_up)
