@@ -25,6 +25,14 @@ segment of ``segment_bytes`` holds as many values as fit with their scales (:met
 
 Everything here is elementwise (or an exact maximum) in the model's dtype, so the same values give the same
 bits on every backend and every CPU.
+
+The simulator runs this; the dist transports do not yet (``strategy.value_dtype`` with ``backend = "dist"`` is
+refused in one line). Nothing in the rule needs a rank to know more than it would on udp: a server learns
+whether a sender is in sync from the type of the segment that arrived, and a receiver knows its own sync.
+What a transport must add: a datagram type for rounded values (int8 codes and their scales, or 16-bit
+floats) beside the model's, the server's choice per receiver and segment of ``q_t`` or the whole value, and,
+since a segment is cut for the rounded type (4 int8 values take the bytes of one float32), a whole segment
+sent as several datagrams, lost when any of them is.
 """
 
 from __future__ import annotations
