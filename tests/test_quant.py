@@ -96,7 +96,7 @@ def test_the_streams_hold_under_loss_and_the_rounding_does_not_accumulate() -> N
         x = x - 0.01 * torch.randn(w, dim, dtype=torch.float64, generator=gen)   # a local step each
         out, ref, sync, carry, up_q, down_q = _round(comm, x, up, down, ref, sync, carry, fmt, seg_bytes)
         rounded_rounds += int(up_q.any())
-        insync = sync > 0.5
+        insync = sync == (torch.arange(w) + 1).double()[None, :, None]     # worker j serves block j
         server_value = ref[blk, torch.arange(dim)]       # worker j serves block j
         held = insync[:, blk, sidx]
         assert torch.equal(torch.where(held, ref, 0.0), torch.where(held, server_value[None], 0.0))
@@ -104,6 +104,39 @@ def test_the_streams_hold_under_loss_and_the_rounding_does_not_accumulate() -> N
         assert torch.equal(torch.where(~held, out, 0.0), torch.where(~held, x, 0.0))   # the rest kept its own
         x = out
     assert rounded_rounds == 59                          # from the second round on, rounded values travel
+
+
+def test_a_block_that_moves_starts_its_stream_again_whole() -> None:
+    """Worker 3 dies and its block moves to worker 0: nobody holds worker 0's stream of it, so that round every
+    segment of it travels whole (and its average is the plain one); from the next round on it is rounded
+    again. No loss, so the rest of the row is unaffected."""
+    gen = torch.Generator().manual_seed(3)
+    w, dim, fmt = 4, 800, FORMATS["int8"]
+    comm = SimComm(w)
+    every = torch.ones(w, w, dtype=torch.bool)
+    links = LinkSample(0, every, every.clone())
+    x = torch.randn(w, dim, dtype=torch.float64, generator=gen)
+    ref, sync, carry = torch.zeros_like(x), x.new_zeros(w, 1, 1), torch.zeros_like(x)
+    for _ in range(3):
+        x = x + 0.01 * torch.randn(w, dim, dtype=torch.float64, generator=gen)
+        x, ref, sync, carry, up_q, _ = quant.quantized_block_average(
+            comm.server_averages, x, links, Membership.everyone(w), ref, sync, carry, fmt)
+    assert bool(up_q[~torch.eye(w, dtype=torch.bool)].all())
+    live = torch.tensor([True, True, True, False])
+    moved = Membership(live, torch.tensor([0, 1, 2, 0]), torch.zeros(w, dtype=torch.bool),
+                       torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64), False, False)
+    last = block_sizes(dim, w)[-1]
+    for expect_rounded in (False, True):
+        x = x + 0.01 * torch.randn(w, dim, dtype=torch.float64, generator=gen)
+        before = x.clone()
+        x, ref, sync, carry, up_q, down_q = quant.quantized_block_average(
+            comm.server_averages, x, links, moved, ref, sync, carry, fmt)
+        assert up_q[1:3, 3].tolist() == [expect_rounded] * 2      # workers 1 and 2 send block 3 to worker 0
+        assert down_q[3, 1:3].tolist() == [expect_rounded] * 2    # and get its average back
+        if not expect_rounded:   # whole: the block's average is the plain mean of the live workers' values
+            mean = before[:3, dim - last:].mean(0)
+            assert torch.allclose(x[0, dim - last:], mean, rtol=0, atol=1e-15)
+        assert bool(up_q[1:3, 0].all())                 # worker 0's own block streams on
 
 
 def test_without_loss_int8_rps_stays_next_to_float_rps() -> None:

@@ -10,13 +10,17 @@ result becomes the next reference, so a rounding error lives one round and never
   live worker holds no reference (it rejoined), sends the values themselves at the model's precision.
 - RPS's block average (:func:`quantized_block_average`): every block is a *stream*. Its server's reference is the
   value it last handed out, ``b``; the server sends ``q_t = Q(a_t - b)`` and ``b + deq(q_t)`` becomes everyone's
-  model and reference (the server's too). A worker that holds ``b`` (it is *in sync* on that segment) sends
-  ``Q(x_i - b)``; one that does not (a lost phase-2 segment, a rejoin, the first round) sends its values at the
-  model's precision and says so, and its server then sends it the new ``b`` whole, also at the model's precision,
-  which puts it back in sync. A segment of ``q_t`` that reaches a worker not in sync is of no use to it: it is a
+  model and reference (the server's too). A worker that holds ``b`` of its block's present server (it is *in
+  sync* on that segment; it took the server's last value, and the block has not moved to another server since)
+  sends ``Q(x_i - b)``; one that does not (a lost phase-2 segment, a rejoin, the first round, a block moved)
+  sends its values at the model's precision, and its server then sends it the new ``b`` whole, also at the
+  model's precision, which puts it back in sync. A server that holds no stream of a segment (the block just
+  moved to it, or it rejoined) cannot read a rounded segment, which is then lost to it, and it sends the new
+  value whole to everyone. A segment of ``q_t`` that reaches a worker not in sync is of no use to it: it is a
   loss like any other (it keeps its own values). Nothing else is ever agreed: whether a sender is in sync is
-  known from what it sent; whether a receiver whose phase-1 segment was lost is in sync is not known, so it is
-  sent ``q_t``.
+  known from the type of what it sent; whether a receiver whose phase-1 segment was lost is in sync is not
+  known, so it is sent ``q_t``. Each rank decides from what it holds, what it received and the agreed
+  membership, which a transport gives it too.
 
 Formats: ``float32``, ``bfloat16`` and ``float16`` round to the nearest value of the type; ``int8`` rounds
 ``d / scale`` to the nearest integer in [-127, 127] (ties to even), with one float32 ``scale = max|d| / 127`` a
@@ -218,8 +222,9 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     (the module docstring), over every worker's row at once (the simulator: ``x`` is [W, D]).
 
     ``server_averages(sent, up, weights, servers, seg)``: phase 1, each value's server average [D] of what
-    arrived (the comm's). ``ref`` [W, D], ``sync`` [W, W, S] (or any other shape before the first round: nobody
-    in sync), ``carry`` [W, D]: :class:`shaky.strategies.exchange.BlockStreams`. Error feedback: what a worker's
+    arrived (the comm's). ``ref`` [W, D], ``sync`` [W, W, S] (1 + the server whose stream value of that segment
+    the worker holds, 0 for none; any other shape before the first round: nobody in sync), ``carry`` [W, D]:
+    :class:`shaky.strategies.exchange.BlockStreams`. Error feedback: what a worker's
     rounding left out of a value it sent, as a sender in phase 1 or as the value's server in phase 2, is added
     to what it sends of that value next time (where it sends it whole, nothing is left out). Returns the new
     rows, ref, sync and carry, and which messages carried rounded values, up's and down's (bool, the masks'
@@ -237,12 +242,15 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     up3, down3, srv, blocks = (t.to(device) for t in (up3, down3, srv, blocks))
     live, present = members.live.to(device), (members.live & ~members.rejoined).to(device)
     num_segments = up3.shape[2]
-    insync = (sync > 0.5) & present[:, None, None] if tuple(sync.shape) == (w, w, num_segments) else \
+    stream_of = (srv + 1).to(x.dtype)[None, :, None]              # whose stream a sync entry names
+    insync = (sync == stream_of) & present[:, None, None] if tuple(sync.shape) == (w, w, num_segments) else \
         torch.zeros(w, w, num_segments, dtype=torch.bool, device=device)
     own = torch.zeros(w, w, 1, dtype=torch.bool, device=device)
     own[srv, blocks] = True
     server_sync = insync[srv, blocks]                              # [block, S]: its server holds the stream
-    rounded_up = insync & server_sync[None] & ~own                 # [sender, block, S]
+    rounded_up = insync & ~own                                     # [sender, block, S]: sent rounded
+    # A server that does not hold the stream cannot read a rounded segment: to it, that segment is lost.
+    used_up = up3 & (~rounded_up | server_sync[None])
     blk = segment_index(dim, w, seg)[0].to(device)
     spread = _spread_index(dim, w, seg, num_segments)
 
@@ -254,7 +262,7 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     d = x - ref + carry
     d_sent = round_trip(d, fmt, groups)
     sent = torch.where(rounded_pos, ref + d_sent, x)
-    avg = server_averages(sent, up, members.weights, srv, seg)     # [D]
+    avg = server_averages(sent, used_up if segmented else used_up[..., 0], members.weights, srv, seg)   # [D]
     # each value's server's reference and carry: the server's row of them, read at that value
     at_server = srv[blk] * dim + torch.arange(dim, device=device)
     b = ref.reshape(-1).take(at_server)
@@ -264,12 +272,15 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     stream = torch.where(streaming, b + step, avg)
     carry = torch.where(rounded_pos, d - d_sent, torch.zeros_like(d))
     carry.view(-1).index_copy_(0, at_server, torch.where(streaming, target - b - step, torch.zeros_like(b)))
-    whole = ~server_sync[None] | (up3 & ~insync)                   # [receiver, block, S]: sent the new value whole
+    # [receiver, block, S]: sent the new value whole (the server holds no stream, or the receiver's segment came
+    # whole: it holds none); q_t otherwise, of use only to a receiver in sync
+    whole = ~server_sync[None] | (up3 & ~rounded_up)
     take = (down3.transpose(0, 1) & (whole | insync) & live[:, None, None]) | own
     take_pos = per_value(take)
     out = torch.where(take_pos, stream[None], x)
     new_ref = torch.where(take_pos, stream[None], ref)
+    new_sync = torch.where(take, stream_of, torch.zeros_like(stream_of))
     rounded_down = (~whole & ~own).transpose(0, 1)
     if not segmented:
         rounded_up, rounded_down = rounded_up[..., 0], rounded_down[..., 0]
-    return out, new_ref, take.to(x.dtype), carry, rounded_up.cpu(), rounded_down.cpu()
+    return out, new_ref, new_sync, carry, rounded_up.cpu(), rounded_down.cpu()

@@ -174,7 +174,8 @@ class BlockStreams(NamedTuple):
     ref: torch.Tensor
     """[w, D]: each worker's reference, the last value of each segment it took from the segment's server."""
     sync: torch.Tensor
-    """[w, W, S], the rows' dtype: 1 where the worker holds its block's stream value of that segment."""
+    """[w, W, S], the rows' dtype: 1 + the server whose stream value of that segment of the block the worker
+    holds (0: none)."""
     carry: torch.Tensor
     """[w, D]: what the worker's rounding left out of each value it last sent (as a sender or as the value's
     server), sent with the next difference."""
