@@ -13,7 +13,7 @@ import torch
 from shaky.comm import quant
 from shaky.comm.quant import FORMATS, GROUP, group_ids, round_trip, segment_index
 from shaky.comm.sim import SimComm
-from shaky.geometry import LinkSample, block_sizes
+from shaky.geometry import LinkSample, block_sizes, segment_length
 from shaky.network.faults import Membership
 from shaky.strategies.exchange import block_exchange_traffic
 from shaky.train import InterruptedRun, prepare, read_metrics, train
@@ -60,16 +60,6 @@ def test_a_group_never_crosses_a_segment_or_a_block() -> None:
     assert len(seen) == count
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
-def test_a_segment_holds_what_fits_and_no_more(name: str) -> None:
-    fmt = FORMATS[name]
-    for segment_bytes in (1, 7, 300, 1420, 8948):
-        n = fmt.segment_length(segment_bytes)
-        assert n == 1 or fmt.bytes_of(n) <= segment_bytes
-        assert fmt.bytes_of(n + 1) > segment_bytes
-    assert fmt.segment_length(0) == 0
-
-
 def _round(comm: SimComm, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, ref, sync, carry, fmt,
            seg_bytes: int):
     links = LinkSample(0, up, down, seg_bytes)
@@ -83,7 +73,7 @@ def test_the_streams_hold_under_loss_and_the_rounding_does_not_accumulate() -> N
     exact average of what was sent: the error of one round is not carried into the next."""
     gen = torch.Generator().manual_seed(1)
     w, dim, seg_bytes, fmt = 4, 2000, 300, FORMATS["int8"]
-    seg = fmt.segment_length(seg_bytes)
+    seg = segment_length(seg_bytes, 8)
     comm = SimComm(w)
     s = max(-(-n // seg) for n in block_sizes(dim, w))
     x = torch.randn(w, dim, dtype=torch.float64, generator=gen)

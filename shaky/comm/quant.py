@@ -24,8 +24,9 @@ result becomes the next reference, so a rounding error lives one round and never
 
 Formats: ``float32``, ``bfloat16`` and ``float16`` round to the nearest value of the type; ``int8`` rounds
 ``d / scale`` to the nearest integer in [-127, 127] (ties to even), with one float32 ``scale = max|d| / 127`` a
-group of :data:`GROUP` values, carried in the segment beside them (a lost segment costs only itself). A
-segment of ``segment_bytes`` holds as many values as fit with their scales (:meth:`ValueFormat.segment_length`).
+group of :data:`GROUP` values, carried in the segment beside them (a lost segment costs only itself). The
+segments are the model's (``shaky.geometry.segment_length`` of its itemsize): a rounded segment is a smaller
+message, so that a segment sent whole is one message too (one datagram on a transport).
 
 Everything here is elementwise (or an exact maximum) in the model's dtype, so the same values give the same
 bits on every backend and every CPU.
@@ -35,8 +36,7 @@ refused in one line). Nothing in the rule needs a rank to know more than it woul
 whether a sender is in sync from the type of the segment that arrived, and a receiver knows its own sync.
 What a transport must add: a datagram type for rounded values (int8 codes and their scales, or 16-bit
 floats) beside the model's, the server's choice per receiver and segment of ``q_t`` or the whole value, and,
-since a segment is cut for the rounded type (4 int8 values take the bytes of one float32), a whole segment
-sent as several datagrams, lost when any of them is.
+and the bytes each sent.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from shaky.geometry import block_sizes
+from shaky.geometry import block_sizes, segment_length
 
 GROUP = 256
 """Values that share one int8 scale: a segment's values are cut into groups of this many, from its start."""
@@ -65,15 +65,6 @@ class ValueFormat:
     @property
     def dtype(self) -> torch.dtype:
         return getattr(torch, self.name)
-
-    def segment_length(self, segment_bytes: int) -> int:
-        """The values a segment of ``segment_bytes`` bytes holds, scales included (0: no segments)."""
-        if segment_bytes <= 0:
-            return 0
-        n = max(1, segment_bytes // self.itemsize)
-        while n > 1 and self.bytes_of(n) > segment_bytes:
-            n -= 1
-        return n
 
     def bytes_of(self, values: int | np.ndarray) -> int | np.ndarray:
         """Bytes on the wire of a message (or each message) of ``values`` values: theirs and their scales'."""
@@ -203,7 +194,7 @@ def quantized_mean(comm, x: torch.Tensor, members, ref: torch.Tensor, held: torc
     # Every live worker holds the reference: the live-weighted mean of ``held`` is exactly 1 (a sum of ones).
     everyone = bool((comm.mean(held * live + (1 - live), members.live.to(x.dtype)) == 1).all())
     if everyone:
-        groups = group_ids(x.shape[1], comm.num_workers, fmt.segment_length(segment_bytes)) \
+        groups = group_ids(x.shape[1], comm.num_workers, segment_length(segment_bytes, x.element_size())) \
             if fmt.scale_bytes else None
         d = x - ref + carry
         sent = round_trip(d, fmt, groups)
@@ -231,7 +222,7 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     shape; the others carried the rows' own precision).
     """
     w, dim = x.shape
-    seg = fmt.segment_length(links.segment_bytes)
+    seg = segment_length(links.segment_bytes, x.element_size())
     blocks = torch.arange(w)
     srv = blocks if members.all_live else members.servers.to(torch.int64)
     from shaky.comm.rps import own_parts_delivered   # (rps imports nothing of this module)

@@ -408,7 +408,7 @@ def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSa
     each segment is a message, and its bytes are the values it really holds. Each block is a message of its
     own (the masks are per block): with a dead worker's block moved, its successor's links carry two.
 
-    ``fmt`` and ``rounded``: the values travel in ``fmt`` (segments of ``fmt.segment_length``) where
+    ``fmt`` and ``rounded``: the values travel in ``fmt`` (in the same segments, of fewer bytes) where
     ``rounded`` (up's and down's masks, bool like ``links``'s) says so, at the rows' own precision elsewhere
     (:func:`shaky.comm.quant.quantized_block_average`).
     """
@@ -416,12 +416,9 @@ def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSa
     servers = tuple(members.servers.tolist()) if some_dead else None
     live = tuple(members.live.tolist()) if some_dead else None
     dim, itemsize = params.shape[-1], params.element_size()
-    if fmt is None:
-        up, down, routes = _block_link_bytes(dim, num_workers, itemsize, servers, live,
-                                             segment_length(links.segment_bytes, itemsize))
-    else:
-        seg_len = fmt.segment_length(links.segment_bytes)
-        up, down, routes = _block_link_bytes(dim, num_workers, itemsize, servers, live, seg_len)
+    seg_len = segment_length(links.segment_bytes, itemsize)
+    up, down, routes = _block_link_bytes(dim, num_workers, itemsize, servers, live, seg_len)
+    if fmt is not None:
         up_q, down_q, _ = _block_link_bytes(dim, num_workers, itemsize, servers, live, seg_len, fmt)
         up = np.where(rounded[0].numpy(), up_q, up)
         down = np.where(rounded[1].numpy(), down_q, down)
@@ -469,7 +466,7 @@ def ring_allreduce_traffic(x: torch.Tensor, num_workers: int, links: LinkSample,
     sender's links in turn; see docs/clock.md). With segment masks each chunk is cut
     into segments like a block, and its segment k takes that draw's segment k mod S
     (a chunk has more segments than a block only when workers are dead). ``fmt``: the values travel in that
-    format (``strategy.value_dtype``; its segments hold ``fmt.segment_length`` values), or, with ``rounded``
+    format (``strategy.value_dtype``; in the same segments, of fewer bytes), or, with ``rounded``
     False, in that format's segments at the rows' own precision (a quantized mean's first round).
     """
     order = tuple(range(num_workers)) if members is None or members.all_live else \
@@ -477,8 +474,7 @@ def ring_allreduce_traffic(x: torch.Tensor, num_workers: int, links: LinkSample,
     n = len(order)
     if n < 2:
         return ()
-    seg_len = (segment_length(links.segment_bytes, x.element_size()) if fmt is None
-               else fmt.segment_length(links.segment_bytes))
+    seg_len = segment_length(links.segment_bytes, x.element_size())
     hops = _ring_link_bytes(x.shape[-1], num_workers, x.element_size(), order, seg_len, fmt if rounded else None)
     ring = torch.tensor(order)
     senders, receivers = ring, ring.roll(-1)
