@@ -227,6 +227,7 @@ FLAG_VALUES: dict[str, list[str]] = {
     "backend": ["bogus", "", "dist"],
     "data_path": ["x.tsv", "nope"],
     "replay_trace": ["nope", "emptydir"],
+    "value_dtype": ["int4", "INT8", "float8", " int8", "bfloat 16"],
     "transport": ["bogus", "", "UDP", "udp"],
     "deadline_ms": ["0", "-1", "nan", "inf", "x", "1e400", "fast"],
     "key_file": ["nope", "key"],
