@@ -410,6 +410,51 @@ def test_the_transport_counts_the_bytes_rounded_values_save(name: str, fewer: fl
     assert sent[0] / sent[1] > fewer
 
 
+def test_each_bad_rounded_datagram_is_rejected() -> None:
+    """The rules for a datagram of rounded values (strategy.value_dtype): used in a quantized round when its
+    length is its segment's in that format; malformed with another length, another format's dtype byte, or in a
+    round that sends whole values; a bad tag is a bad tag. None of them is used."""
+    from shaky.comm import quant  # noqa: PLC0415
+    from shaky.comm.udp.exchange import _Round  # noqa: PLC0415
+    from shaky.comm.udp.wire import HEADER, MAGIC, ROUNDED_CODES, VERSION  # noqa: PLC0415
+
+    W, D, rnd = 2, 200, 5
+    fmt = quant.FORMATS["int8"]
+    with group(W) as exs:
+        ex = exs[0]
+        seg = seg_len(ex, torch.float32)
+        def fresh(quantized: bool) -> _Round:
+            x = np.zeros(D, np.float32)
+            state = _Round(rnd, RUN, x, np.zeros(D, np.float32), [0, 1], None, 0, W, ex.segment_bytes,
+                           recv=ex._recv_buffers)
+            if quantized:
+                state.quantize(fmt)
+            ex._cur, ex._st = state, exchange_module._Counters()
+            return state
+
+        good = int(fmt.bytes_of(seg))
+        cases = [("used", True, ROUNDED_CODES["int8"], good, False),
+                 ("malformed", True, ROUNDED_CODES["int8"], good + 4, False),
+                 ("malformed", True, ROUNDED_CODES["bfloat16"], 2 * seg, False),
+                 ("malformed", False, ROUNDED_CODES["int8"], good, False),
+                 ("bad_tag", True, ROUNDED_CODES["int8"], good, True)]
+        for outcome, quantized, code, length, forged in cases:
+            state = fresh(quantized)
+            head = HEADER.pack(MAGIC, VERSION, 1, code, 0, 1, RUN, rnd, 0, 0, length)
+            body = head + bytes(length)
+            tag = exs[1]._mac.tag(memoryview(body))
+            if forged:
+                tag = bytes(b ^ 1 for b in tag)
+            ex._on_datagram(memoryview(body + tag), exs[1].address, None)
+            used = bool(state.got1[0][1, 0])
+            assert used == (outcome == "used"), (outcome, code, length)
+            if outcome == "used":
+                assert state.rounded1[0][1, 0] and ex._st.rejected == 0
+            else:
+                assert ex._st.rejected_by == {outcome: 1}, (outcome, ex._st.rejected_by)
+        ex._cur = None
+
+
 # ---------------------------------------------------------------------------------------- late, deadline
 
 def test_held_datagrams_are_late_and_not_used() -> None:
