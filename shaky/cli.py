@@ -65,7 +65,7 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                          "final one and the one written when Ctrl-C or SIGTERM stops the run)"),
     "value_dtype": ("strategy.value_dtype", str, "how exchanged values travel: float32, bfloat16, float16 or int8, "
                     "as rounded differences from a value both ends hold (default: as the model holds them; the "
-                    "simulator only)"),
+                    "simulator and --transport udp)"),
     "replay_trace": ("network.trace", str, "run directory whose delivery masks are replayed"),
     "device": ("device", str, "cpu (the default), cuda or cuda:N: where the data, the workers' models and the "
                "exchanges live"),

@@ -300,7 +300,7 @@ class StrategyConfig:
     value_dtype: str = field(default="", metadata=_UNSET_UNWRITTEN)
     """How exchanged values travel: "" (as the model holds them), float32, bfloat16, float16 or int8 (a float32
     scale a group of 256 values), each as the difference from a reference both ends hold (shaky.comm.quant);
-    the simulator only, for now."""
+    the simulator and dist.transport udp (gloo refuses it)."""
 
     def __post_init__(self) -> None:
         _check_choice("strategy.name", self.name, STRATEGIES)
@@ -586,9 +586,9 @@ class RunConfig:
 
     def _check_transport(self) -> None:
         udp = self.dist.transport == "udp"
-        if self.backend == "dist" and self.strategy.value_dtype:
-            raise ValueError(f"strategy.value_dtype = {self.strategy.value_dtype!r} needs backend sim for now: the "
-                             f"{self.dist.transport} transport sends values as the model holds them")
+        if self.backend == "dist" and self.strategy.value_dtype and not udp:
+            raise ValueError(f"strategy.value_dtype = {self.strategy.value_dtype!r} needs backend sim or "
+                             "dist.transport udp: gloo's exchange sends values as the model holds them")
         if udp and self.backend != "dist":
             raise ValueError("dist.transport = \"udp\" needs backend dist (torchrun, one worker per process): the "
                              "simulator draws its losses from the network model")

@@ -213,6 +213,6 @@ def test_a_bad_value_dtype_is_one_line(setting: str, says: str, tmp_path) -> Non
     assert not out.exists()
 
 
-def test_dist_refuses_a_value_dtype_it_cannot_send() -> None:
+def test_the_gloo_transport_refuses_a_value_dtype() -> None:
     with pytest.raises(ValueError, match="strategy.value_dtype = 'int8' needs backend sim"):
         make_config(backend="dist", strategy={"name": "rps", "value_dtype": "int8"})

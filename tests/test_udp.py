@@ -337,6 +337,124 @@ def test_matches_the_simulator_segment_average() -> None:
     torch.testing.assert_close(torch.stack([res[0] for res in results]), sim, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["int8", "bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("compiled", PATHS)
+def test_rounded_values_give_the_simulators_streams(name: str, compiled: bool) -> None:
+    """strategy.value_dtype on udp: rounds of rounded differences under injected loss (float64 rows), and the
+    simulator's rule (shaky.comm.quant) given the masks they observed computes the same rows, references,
+    streams and carries; the transport counts the bytes it sent, fewer once the streams run."""
+    from shaky.comm import quant  # noqa: PLC0415
+    from shaky.comm.sim import SimComm  # noqa: PLC0415
+    from shaky.comm.udp.exchange import QuantState  # noqa: PLC0415
+    from shaky.geometry import LinkSample  # noqa: PLC0415
+    from shaky.network.faults import Membership  # noqa: PLC0415
+
+    W, D = 4, 1000
+    fmt = quant.FORMATS[name]
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(W, D, dtype=torch.float64, generator=g)
+    options = UdpOptions(datagram_bytes=OVERHEAD_BYTES + 256, final_grace_s=5.0)     # 32 float64 a segment
+    with group(W, options=options, compiled=compiled) as exs:
+        seg = seg_len(exs[0], torch.float64)
+        nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
+        states = [QuantState(fmt, np.zeros(D), np.zeros(D), np.zeros((W, max(nseg)))) for _ in range(W)]
+        ref, sync, carry = torch.zeros_like(x), x.new_zeros(W, 1, 1), torch.zeros_like(x)
+        sent, rounded = [], []
+        for rnd in range(4):
+            x = x + 0.01 * torch.randn(W, D, dtype=torch.float64, generator=g)
+            _install(exs, _drop_rule(20 + rnd, nseg, rate=0.2))
+            results = run_round(exs, [x[r].clone() for r in range(W)], rnd, quant=lambda r: states[r])
+            up, down = (torch.from_numpy(m) for m in masks(results))
+            assert not bool(up.all()) and not bool(down.all())
+            links = LinkSample(rnd, up, down, exs[0].segment_bytes)
+            x, ref, sync, carry, up_q, _ = quant.quantized_block_average(
+                SimComm(W).server_averages, x, links, Membership.everyone(W), ref, sync, carry, fmt)
+            torch.testing.assert_close(torch.stack([res[0] for res in results]), x, rtol=0, atol=1e-12)
+            torch.testing.assert_close(torch.from_numpy(np.stack([s.ref for s in states])), ref, rtol=0, atol=1e-12)
+            torch.testing.assert_close(torch.from_numpy(np.stack([s.carry for s in states])), carry, rtol=0,
+                                       atol=1e-12)
+            np.testing.assert_array_equal(np.stack([s.sync for s in states]), sync.numpy())
+            sent.append(sum(res[3].bytes_sent for res in results))
+            rounded.append(int(up_q.sum()))
+    assert rounded[0] == 0 and all(n > 0 for n in rounded[1:])
+    assert sent[-1] < sent[0]
+
+
+@pytest.mark.parametrize("name, fewer", [("int8", 3.5), ("bfloat16", 1.9)])
+def test_the_transport_counts_the_bytes_rounded_values_save(name: str, fewer: float) -> None:
+    """Loss 0, float32 rows, 1472-byte datagrams: the first round sends whole values, the next rounded
+    differences; each round's bytes, counted by the transport, are what the datagrams hold (a segment of 355
+    values, its scales, 52 bytes of header and tag; every stream's last datagram twice)."""
+    from shaky.comm import quant  # noqa: PLC0415
+    from shaky.comm.udp.exchange import QuantState  # noqa: PLC0415
+
+    W, D = 4, 20_000
+    fmt = quant.FORMATS[name]
+    rows = random_rows(W, D, seed=12)
+    with group(W, options=UdpOptions(final_grace_s=5.0)) as exs:
+        seg = seg_len(exs[0], torch.float32)
+        states = [QuantState(fmt, np.zeros(D, np.float32), np.zeros(D, np.float32),
+                             np.zeros((W, math.ceil(D / W / seg)), np.float32)) for _ in range(W)]
+        sent = [sum(res[3].bytes_sent for res in run_round(exs, rows, rnd, quant=lambda r: states[r]))
+                for rnd in range(2)]
+
+    def round_bytes(payload) -> int:
+        total = 0
+        for n in block_sizes(D, W):
+            lengths = [min(seg, n - a) for a in range(0, n, seg)]
+            total += sum(OVERHEAD_BYTES + payload(m) for m in lengths) + OVERHEAD_BYTES + payload(lengths[-1])
+        return 2 * (W - 1) * total
+
+    assert sent[0] == round_bytes(lambda m: 4 * m)
+    assert sent[1] == round_bytes(lambda m: int(fmt.bytes_of(m)))
+    assert sent[0] / sent[1] > fewer
+
+
+def test_each_bad_rounded_datagram_is_rejected() -> None:
+    """The rules for a datagram of rounded values (strategy.value_dtype): used in a quantized round when its
+    length is its segment's in that format; malformed with another length, another format's dtype byte, or in a
+    round that sends whole values; a bad tag is a bad tag. None of them is used."""
+    from shaky.comm import quant  # noqa: PLC0415
+    from shaky.comm.udp.exchange import _Round  # noqa: PLC0415
+    from shaky.comm.udp.wire import HEADER, MAGIC, ROUNDED_CODES, VERSION  # noqa: PLC0415
+
+    W, D, rnd = 2, 200, 5
+    fmt = quant.FORMATS["int8"]
+    with group(W) as exs:
+        ex = exs[0]
+        seg = seg_len(ex, torch.float32)
+        def fresh(quantized: bool) -> _Round:
+            x = np.zeros(D, np.float32)
+            state = _Round(rnd, RUN, x, np.zeros(D, np.float32), [0, 1], None, 0, W, ex.segment_bytes,
+                           recv=ex._recv_buffers)
+            if quantized:
+                state.quantize(fmt)
+            ex._cur, ex._st = state, exchange_module._Counters()
+            return state
+
+        good = int(fmt.bytes_of(seg))
+        cases = [("used", True, ROUNDED_CODES["int8"], good, False),
+                 ("malformed", True, ROUNDED_CODES["int8"], good + 4, False),
+                 ("malformed", True, ROUNDED_CODES["bfloat16"], 2 * seg, False),
+                 ("malformed", False, ROUNDED_CODES["int8"], good, False),
+                 ("bad_tag", True, ROUNDED_CODES["int8"], good, True)]
+        for outcome, quantized, code, length, forged in cases:
+            state = fresh(quantized)
+            head = HEADER.pack(MAGIC, VERSION, 1, code, 0, 1, RUN, rnd, 0, 0, length)
+            body = head + bytes(length)
+            tag = exs[1]._mac.tag(memoryview(body))
+            if forged:
+                tag = bytes(b ^ 1 for b in tag)
+            ex._on_datagram(memoryview(body + tag), exs[1].address, None)
+            used = bool(state.got1[0][1, 0])
+            assert used == (outcome == "used"), (outcome, code, length)
+            if outcome == "used":
+                assert state.rounded1[0][1, 0] and ex._st.rejected == 0
+            else:
+                assert ex._st.rejected_by == {outcome: 1}, (outcome, ex._st.rejected_by)
+        ex._cur = None
+
+
 # ---------------------------------------------------------------------------------------- late, deadline
 
 def test_held_datagrams_are_late_and_not_used() -> None:

@@ -31,12 +31,12 @@ message, so that a segment sent whole is one message too (one datagram on a tran
 Everything here is elementwise (or an exact maximum) in the model's dtype, so the same values give the same
 bits on every backend and every CPU.
 
-The simulator runs this; the dist transports do not yet (``strategy.value_dtype`` with ``backend = "dist"`` is
-refused in one line). Nothing in the rule needs a rank to know more than it would on udp: a server learns
-whether a sender is in sync from the type of the segment that arrived, and a receiver knows its own sync.
-What a transport must add: a datagram type for rounded values (int8 codes and their scales, or 16-bit
-floats) beside the model's, the server's choice per receiver and segment of ``q_t`` or the whole value, and,
-and the bytes each sent.
+The simulator runs this over every row at once; the udp transport runs the same rule for one rank's row
+(``shaky.comm.udp.exchange.QuantState``): nothing in it needs a rank to know more than it does there. A
+server learns whether a sender is in sync from the type of the segment that arrived (a datagram of rounded
+values has a dtype byte of its own, ``shaky.comm.udp.wire.ROUNDED_CODES``), a receiver knows its own sync,
+and every rank adds to its part of the masks' round which segments it held, so that every rank counts the
+same bytes. gloo's exchange sends the model's values and refuses ``strategy.value_dtype``.
 """
 
 from __future__ import annotations

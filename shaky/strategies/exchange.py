@@ -208,10 +208,14 @@ class LossyBlockAverage(_Immediate):
         m, links = rnd.members, rnd.links
         if self.fmt is not None:
             average = getattr(comm, "server_averages", None)
-            if average is None:
-                raise ValueError(f"strategy.value_dtype = {self.fmt.name!r} needs backend sim: this transport "
-                                 f"({type(comm).__name__}) sends values as the model holds them")
-            out, ref, sync, carry, up_q, down_q = quant.quantized_block_average(average, x, links, m, *state, self.fmt)
+            if average is not None:        # the simulator: every row at once
+                out, ref, sync, carry, up_q, down_q = quant.quantized_block_average(average, x, links, m, *state,
+                                                                                    self.fmt)
+            elif hasattr(comm, "quantized_block_average"):      # udp: this rank's row, by the same rule
+                out, ref, sync, carry, up_q, down_q = comm.quantized_block_average(x, links, m, *state, self.fmt)
+            else:
+                raise ValueError(f"strategy.value_dtype = {self.fmt.name!r} needs backend sim or dist.transport udp: "
+                                 f"this transport ({type(comm).__name__}) sends values as the model holds them")
             stats = StepStats(block_exchange_traffic(x, comm.num_workers, links, m, reliable=False, fmt=self.fmt,
                                                      rounded=(up_q, down_q)))
             return then(Done(out), fn), BlockStreams(ref, sync, carry), stats

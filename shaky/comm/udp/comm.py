@@ -21,16 +21,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from shaky.comm.base import Handle, MeanHandle
 from shaky.comm.gloo import JoinStore, broadcast_object, rendezvous_store
 from shaky.comm.udp.control import ControlPlane, GlooControl, QuorumControl
-from shaky.comm.udp.exchange import (AdaptiveDeadline, ExchangeStats, UdpExchange, UdpOptions, python_path_warning,
-                                     run_masks)
+from shaky.comm.udp.exchange import (AdaptiveDeadline, ExchangeStats, QuantState, UdpExchange, UdpOptions,
+                                     python_path_warning, run_masks)
 from shaky.config import DistConfig
-from shaky.geometry import LinkSample, block_sizes
+from shaky.geometry import LinkSample, block_sizes, own_parts
 from shaky.membership.heartbeat import Heartbeat
 from shaky.progress import say
 
@@ -239,6 +240,11 @@ class UdpDistComm:
         """Whether a lane's buffer holds a result not yet copied to its caller (another exchange on the lane
         then gets a fresh tensor)."""
         self._observed: LinkSample | None = None
+        self._quant_row: torch.Tensor | None = None
+        """uint8 [W, S]: while a quantized exchange runs, which of its segments this rank held the stream of
+        before it (its masks' record carries it, so that every rank knows what went rounded)."""
+        self._insync: torch.Tensor | None = None
+        """bool [W, W, S]: every rank's ``_quant_row`` of the last quantized exchange."""
         self.last_stats: ExchangeStats | None = None
         """The counters of the last exchange (this rank's)."""
         self._totals = {"sent": 0, "received": 0, "expected": 0, "late": 0, "rejected": 0, "closed_by_deadline": 0,
@@ -344,8 +350,40 @@ class UdpDistComm:
         third of a round's processor time at 1e7 float32 on the benchmark machine."""
         return self._launch(x, weights, servers, segment_bytes, copy=False, into=overwrite).wait()
 
+    def quantized_block_average(self, x: torch.Tensor, links: LinkSample, members: Any, ref: torch.Tensor,
+                                sync: torch.Tensor, carry: torch.Tensor, fmt: Any) -> tuple[torch.Tensor, ...]:
+        """RPS's exchange with the values as rounded differences (``strategy.value_dtype``): the rule of
+        :func:`shaky.comm.quant.quantized_block_average` for this rank's row, ``ref``, ``sync`` and ``carry`` ([1,
+        D], [1, W, S], [1, D]: :class:`shaky.strategies.exchange.BlockStreams`' rows), waited for (no background:
+        the next round's streams start from this one's). Returns the new row, ref, sync and carry, and which
+        messages of the run carried rounded values, up's and down's [W, W, S] (every rank's part of the masks'
+        round says what it held, so that every rank counts the same bytes)."""
+        w, me = self.num_workers, self.rank
+        srv = None if members.all_live else members.servers.to(torch.int64)
+        srv_list = srv.tolist() if srv is not None else list(range(w))
+        num_segments = links.up.shape[2]
+        held = sync[0].numpy().astype(np.float64) if tuple(sync.shape) == (1, w, num_segments) else \
+            np.zeros((w, num_segments))
+        q = QuantState(fmt, ref[0].numpy().copy(), carry[0].numpy().copy(), held,
+                       present=not bool(members.rejoined[me]))
+        stream_of = np.asarray(srv_list, np.float64)[:, None] + 1
+        self._quant_row = torch.from_numpy(((q.sync == stream_of) & q.present).astype(np.uint8))
+        try:
+            new = self._launch(x, members.weights, srv, links.segment_bytes, copy=True, quant=q).wait()
+        finally:
+            self._quant_row = None
+        insync = self._insync
+        own = torch.from_numpy(own_parts(srv_list))[..., None]
+        rounded_up = insync & ~own
+        server_sync = insync[torch.tensor(srv_list), torch.arange(w)]
+        whole = ~server_sync[None] | (self._observed.up & ~rounded_up)
+        rounded_down = (~whole & ~own).transpose(0, 1)
+        dtype = x.dtype
+        return (new, torch.from_numpy(q.ref).to(dtype)[None], torch.from_numpy(q.sync).to(dtype)[None],
+                torch.from_numpy(q.carry).to(dtype)[None], rounded_up, rounded_down)
+
     def _launch(self, x: torch.Tensor, weights: torch.Tensor | None, servers: torch.Tensor | None,
-                segment_bytes: int, *, copy: bool, into: bool = False) -> Handle:
+                segment_bytes: int, *, copy: bool, into: bool = False, quant: QuantState | None = None) -> Handle:
         if segment_bytes != self.segment_bytes:
             raise ValueError(f"the udp transport's unit of loss is a {self.segment_bytes}-byte segment; "
                              f"block_average was called with segment_bytes={segment_bytes} "
@@ -363,7 +401,7 @@ class UdpDistComm:
                 out = self._scratch[k] = torch.empty_like(row)
             self._scratch_busy[k] = True
         future = self._threads[k].submit(self.exchanges[k].block_average, row, self._round, deadline_s=deadline,
-                                         weights=weights, servers=servers, out=out)
+                                         weights=weights, servers=servers, out=out, quant=quant)
         self._round += 1
         handle = self.control.exchanged(future, k, self._step, row, servers)
         return handle if out is None else _IntoCaller(handle, x, self._scratch_busy, k)
@@ -386,7 +424,8 @@ class UdpDistComm:
         most = _most_served(servers, self.num_workers)
         if served < most:
             up_obs = torch.cat([up_obs, torch.ones(w, most - served, nseg, dtype=torch.bool)], dim=1)
-        return torch.cat([up_obs.reshape(-1).to(torch.uint8), down_obs.reshape(-1).to(torch.uint8),
+        held = [] if self._quant_row is None else [self._quant_row.reshape(-1)]
+        return torch.cat([up_obs.reshape(-1).to(torch.uint8), down_obs.reshape(-1).to(torch.uint8), *held,
                           torch.frombuffer(bytearray(struct.pack("<d", self._propose(stats))), dtype=torch.uint8)])
 
     def finish(self, result: tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExchangeStats],
@@ -426,11 +465,15 @@ class UdpDistComm:
         w = self.num_workers
         srv = servers.tolist() if servers is not None else list(range(w))
         most = _most_served(servers, w)
-        every = torch.stack(parts)                                  # [rank, W c S + W S + 8]
-        nseg = (every.shape[1] - 8) // (w * (most + 1))
+        every = torch.stack(parts)                                  # [rank, W c S + W S (+ W S) + 8]
+        extra = 1 if self._quant_row is not None else 0             # a quantized exchange: what each rank held
+        nseg = (every.shape[1] - 8) // (w * (most + 1 + extra))
         n_up, n = w * most * nseg, w * (most + 1) * nseg
         ups = every[:, :n_up].view(w, w, most, nseg).bool()
         downs = every[:, n_up:n].view(w, w, nseg).bool()
+        if extra:
+            self._insync = every[:, n:n + w * nseg].view(w, w, nseg).bool()
+            n += w * nseg
         self._deadline_s = max(struct.unpack("<d", bytes(p[n:].tolist()))[0] for p in parts if p[n:].any())
         up, down = run_masks(list(ups), list(downs), srv, gone)
         return LinkSample(step, up, down, self.segment_bytes)

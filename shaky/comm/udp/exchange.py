@@ -78,8 +78,9 @@ from shaky.comm.udp.sockets import (_CMSG_SPACE, _MSG_TRUNC, _RECV_BUFFER, _SO_R
                                     _SOL_UDP, _UDP_GRO, _UDP_SEGMENT, MAX_DATAGRAM_BYTES, MAX_GSO_SEGMENTS,
                                     RECV_BATCH, _batches, _DelayLine, _has_gso, _resolve, _set_buffer,
                                     bind_first_free)
+from shaky.comm import quant as _quant
 from shaky.comm.udp.wire import (DTYPE_CODES, FINAL_DATAGRAMS, FLAG_FINAL, FLAG_REPEAT, HEADER, KEY_BYTES, MAGIC,
-                                 OVERHEAD_BYTES, PHASES, TAG_BYTES, VERSION, _Mac, _Packed)
+                                 OVERHEAD_BYTES, PHASES, ROUNDED_CODES, TAG_BYTES, VERSION, _Mac, _Packed)
 from shaky.geometry import block_sizes, own_parts, segment_counts, segment_length
 from shaky.native import FASTPATH
 
@@ -188,6 +189,8 @@ class ExchangeStats:
     grace_s: float = 0.0
     """Seconds the phases waited in ``UdpOptions.final_grace_s`` (a sender's very last datagram and its
     repeat missing while its other final datagrams were in), both phases."""
+    bytes_sent: int = 0
+    """UDP payload bytes this rank sent, both phases (headers and tags included, the repeats too)."""
 
 
 class AdaptiveDeadline:
@@ -250,6 +253,23 @@ class AdaptiveDeadline:
 Fault = Callable[[int, int, int, int], "str | None"]
 """Test-only hook: (phase, block, segment, destination rank) -> None to send, "drop" or "hold" (sent at the
 end of this rank's call, after its phase 2 closed)."""
+
+
+@dataclass
+class QuantState:
+    """This rank's part of a quantized block average's streams (``strategy.value_dtype``; the rule is
+    :func:`shaky.comm.quant.quantized_block_average`'s, row by row): :meth:`UdpExchange.block_average` with it
+    sends rounded differences where the rule says so and updates it in place."""
+
+    fmt: _quant.ValueFormat
+    ref: np.ndarray
+    """[D]: this rank's reference row."""
+    carry: np.ndarray
+    """[D]: what its rounding left out (error feedback)."""
+    sync: np.ndarray
+    """[W blocks, S], the row's dtype: 1 + the server whose stream value of that segment this rank holds, 0: none."""
+    present: bool = True
+    """False for a rank back from the dead this round: it holds no stream."""
 
 
 class UdpExchange:
@@ -414,7 +434,7 @@ class UdpExchange:
     def block_average(self, row: torch.Tensor, round: int, *, deadline_s: float,  # noqa: A002 (the paper's word)
                       weights: torch.Tensor | Sequence[float] | None = None,
                       servers: torch.Tensor | Sequence[int] | None = None,
-                      out: torch.Tensor | None = None
+                      out: torch.Tensor | None = None, quant: QuantState | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExchangeStats]:
         """One RPS exchange of this rank's ``row`` with every other rank; see the module docstring.
 
@@ -428,6 +448,8 @@ class UdpExchange:
                 nothing) and no average is sent to it.
             servers: [W] the rank serving each block (None: rank j serves block j); the same on every rank.
             out: where to write the result (1-D like ``row``, not overlapping it); None: a new tensor.
+            quant: send the values as rounded differences from the streams (:class:`QuantState`, updated in
+                place; datagram by datagram in Python); None: as the row holds them.
 
         Returns:
             (new_row, up_obs, down_obs, stats): the averaged row; the masks, bool [W, B, S] and [W, S],
@@ -443,7 +465,10 @@ class UdpExchange:
         w = _check_weights(weights, self.num_workers, x.dtype)
         result = _check_out(out, row) if out is not None else torch.empty_like(row)
         try:
-            up_obs, down_obs, stats = self._exchange(x, result.numpy(), rnd, srv, w, deadline_s)
+            if quant is None:
+                up_obs, down_obs, stats = self._exchange(x, result.numpy(), rnd, srv, w, deadline_s)
+            else:
+                up_obs, down_obs, stats = self._exchange_quant(x, result.numpy(), rnd, srv, w, deadline_s, quant)
         finally:
             self._cur = None
         return result, torch.from_numpy(up_obs), torch.from_numpy(down_obs), stats
@@ -501,6 +526,199 @@ class UdpExchange:
         stats = st.freeze(expected=(state.expected1, state.expected2), closed_by=(closed1, closed2),
                           phase1_s=t1 - t_start, average_s=t2 - t1, phase2_s=t3 - t2)
         return up_obs, down_obs, stats
+
+    def _exchange_quant(self, x: np.ndarray, res: np.ndarray, rnd: int, srv: list[int], w: np.ndarray | None,
+                        deadline_s: float, q: QuantState) -> tuple[np.ndarray, np.ndarray, ExchangeStats]:
+        """:meth:`_exchange` with rounded differences (:func:`shaky.comm.quant.quantized_block_average`'s rule for
+        this rank's row): each segment is one datagram, whole (the row's dtype) or rounded (``ROUNDED_CODES``),
+        built, sent and read in Python."""
+        W, me, fmt = self.num_workers, self.rank, q.fmt
+        t_start = time.perf_counter()
+        self._st = st = _Counters()
+        state = _Round(rnd, self.run_id, x, res, srv, w, me, W, self.segment_bytes, recv=self._recv_buffers)
+        state.quantize(fmt)
+        self._cur = state
+        self._take_stash()
+        dim, seg, dtype = x.size, state.seg, torch.from_numpy(x[:0]).dtype
+        groups = _quant.group_ids(dim, W, seg) if fmt.scale_bytes else None
+        ids = groups[0].numpy() if groups is not None else None
+        stream_of = np.asarray(srv, np.float64)[:, None] + 1                     # [block, 1]
+        insync = (q.sync == stream_of) if q.present else np.zeros(q.sync.shape, bool)   # [block, S]
+
+        def segment(j: int, k: int) -> tuple[int, int]:
+            a = state.starts[j] + k * seg
+            return a, min(a + seg, state.starts[j] + state.sizes[j])
+
+        def rounded_payload(codes: np.ndarray, scales: np.ndarray | None, a: int, b: int) -> bytes:
+            if scales is None:
+                return codes[a:b].tobytes()
+            return codes[a:b].tobytes() + scales[ids[a]:ids[b - 1] + 1].astype("<f4").tobytes()
+
+        def encode(d: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+            """Q(d) of a row: its codes as bytes to send (int8, or 16-bit floats viewed as int16), the int8 scales,
+            and deq(Q(d))."""
+            codes, scales = _quant.encode(torch.from_numpy(d)[None], fmt, groups)
+            back = _quant.decode(codes, scales, dtype, groups)[0].numpy()
+            raw = codes[0].view(torch.int16) if codes.dtype in (torch.bfloat16, torch.float16) else codes[0]
+            return raw.numpy(), None if scales is None else scales[0].numpy(), back
+
+        # Phase 1: my values of every block I do not serve, rounded where I hold its stream.
+        d = x - q.ref + q.carry
+        codes, scales, d_back = encode(d)
+        carry = np.zeros_like(q.carry)
+        sends: list[tuple[int, list[bytes]]] = []
+        for s_ in _rotation(me, W):
+            grams: list[bytes] = []
+            for j in [j for j in range(W) if srv[j] == s_ and state.nseg[j] > 0]:
+                payloads, codes_k = [], []
+                for k in range(state.nseg[j]):
+                    a, b = segment(j, k)
+                    if insync[j, k]:
+                        payloads.append(rounded_payload(codes, scales, a, b))
+                        codes_k.append(state.qcode)
+                        carry[a:b] = d[a:b] - d_back[a:b]
+                    else:
+                        payloads.append(x[a:b].tobytes())
+                        codes_k.append(state.dtcode)
+                grams.extend(self._datagrams(state, 1, j, payloads, codes_k))
+            if grams:
+                sends.append((s_, grams))
+        self._send_datagrams(sends, phase=1)
+        closed1 = self._wait(state, 1, t_start + deadline_s)
+        state.open1 = False
+        t1 = time.perf_counter()
+
+        # Between the phases: decode what came rounded, average, the streams' new values.
+        up_obs = state.up_mask()
+        mine = [j for j in range(W) if srv[j] == me]
+        sends2: dict[int, list[bytes]] = {r: [] for r in _rotation(me, W) if w is None or w[r] != 0}
+        for t, j in enumerate(mine):
+            if not state.nseg[j]:
+                continue
+            lo, hi = state.starts[j], state.starts[j] + state.sizes[j]
+            vals = state.recv[j].view(x.dtype)                              # [W, nseg * seg]
+            raw = state.recv[j]                                             # the same bytes
+            used = up_obs[:, t].copy()
+            for i, k in zip(*np.nonzero(state.rounded1[j] & up_obs[:, t, :state.nseg[j]])):
+                if not insync[j, k]:
+                    used[i, k] = False          # a rounded segment of a stream this server does not hold
+                    continue
+                a, b = segment(j, k)
+                n = b - a
+                payload = bytes(raw[i, k * state.payload:k * state.payload + state.rounded_bytes(j, k)])
+                vals[i, k * seg:k * seg + n] = q.ref[a:b] + self._decoded(payload, fmt, n, dtype, ids, a, b)
+            avg = res[lo:hi]
+            state.average(j, used, avg)
+            target = np.zeros(dim, x.dtype)
+            target[lo:hi] = avg + q.carry[lo:hi] - q.ref[lo:hi]
+            codes2, scales2, step = encode(target)
+            streaming = np.repeat(insync[j, :state.nseg[j]], [b - a for a, b in (segment(j, k) for k in
+                                                                                   range(state.nseg[j]))])
+            new = np.where(streaming, q.ref[lo:hi] + step[lo:hi], avg)
+            carry[lo:hi] = np.where(streaming, target[lo:hi] - step[lo:hi], 0)
+            avg[:] = new
+            whole_p = [new[a - lo:b - lo].tobytes() for a, b in (segment(j, k) for k in range(state.nseg[j]))]
+            round_p = [rounded_payload(codes2, scales2, a, b) for a, b in (segment(j, k)
+                                                                             for k in range(state.nseg[j]))]
+            for r in sends2:
+                whole = ~insync[j, :state.nseg[j]] | (up_obs[r, t, :state.nseg[j]] & ~state.rounded1[j][r])
+                sends2[r].extend(self._datagrams(state, 2, j, [whole_p[k] if whole[k] else round_p[k]
+                                                               for k in range(state.nseg[j])],
+                                                 [state.dtcode if whole[k] else state.qcode
+                                                  for k in range(state.nseg[j])]))
+        t2 = time.perf_counter()
+
+        # Phase 2: my blocks' new values to every rank, whole or rounded.
+        self._send_datagrams([(r, g) for r, g in sends2.items() if g], phase=2)
+        closed2 = self._wait(state, 2, t2 + deadline_s)
+        state.open2 = False
+        t3 = time.perf_counter()
+        down_obs = state.down_mask()
+        take = down_obs.copy()
+        for j in range(W):
+            if srv[j] == me:
+                continue
+            for k in np.flatnonzero(state.got2[j, :state.nseg[j]]):
+                if not state.rounded2[j, k]:
+                    continue
+                if not insync[j, k]:
+                    take[j, k] = False          # q_t of a stream this rank does not hold: of no use to it
+                    continue
+                a, b = segment(j, k)
+                payload = bytes(state.res_u8[a * state.itemsize:a * state.itemsize + state.rounded_bytes(j, k)])
+                res[a:b] = q.ref[a:b] + self._decoded(payload, fmt, b - a, dtype, ids, a, b)
+        state.keep_own_where_lost(take)
+        # The streams this rank now holds: every segment it took, its own blocks' included.
+        spread = np.concatenate([np.repeat(take[j, :state.nseg[j]], [b - a for a, b in (segment(j, k) for k in
+                                                                                      range(state.nseg[j]))])
+                                 for j in range(W) if state.nseg[j]]) if dim else np.zeros(0, bool)
+        q.ref = np.where(spread, res, q.ref)
+        q.sync = np.where(take, stream_of, 0.0).astype(q.sync.dtype)
+        q.carry = carry
+
+        self._prev = state.finished()
+        self._cur = None
+        self._last_round = rnd
+        delayed, self._delayed = self._delayed, []
+        for data, addr in delayed:
+            self._send_one(memoryview(data), addr)
+        stats = st.freeze(expected=(state.expected1, state.expected2), closed_by=(closed1, closed2),
+                          phase1_s=t1 - t_start, average_s=t2 - t1, phase2_s=t3 - t2)
+        return up_obs, down_obs, stats
+
+    @staticmethod
+    def _decoded(payload: bytes, fmt, n: int, dtype: torch.dtype, ids: np.ndarray | None, a: int, b: int
+                 ) -> np.ndarray:
+        """deq of one rounded segment's payload (n values at [a, b) of the row; int8's scales after them)."""
+        if not fmt.scale_bytes:
+            raw = torch.frombuffer(bytearray(payload), dtype=torch.int16).view(fmt.dtype)
+            return raw.to(dtype).numpy()
+        codes = torch.frombuffer(bytearray(payload[:n]), dtype=torch.int8)
+        scales = torch.frombuffer(bytearray(payload[n:]), dtype=torch.float32)
+        per_value = torch.from_numpy(ids[a:b] - ids[a])
+        return (codes.to(dtype) * scales.to(dtype)[per_value]).numpy()
+
+    def _datagrams(self, state: _Round, phase: int, block: int, payloads: list[bytes], codes: list[int]
+                   ) -> list[bytes]:
+        """Block ``block``'s datagrams of this phase, one a segment: the headers :meth:`_Round.headers` gives
+        (its final flags), each with its own dtype byte and length; the very last one twice, the copy flagged as a
+        repeat (tagged as itself)."""
+        heads = state.headers(phase, block, self.rank)
+        out = []
+        for k, (payload, code) in enumerate(zip(payloads, codes)):
+            head = bytearray(heads[k].tobytes())
+            head[4] = code
+            head[32:36] = struct.pack("<I", len(payload))
+            body = bytes(head) + payload
+            out.append(body + self._mac.tag(memoryview(body)))
+        if out and heads[-1, 5] & FLAG_FINAL:
+            copy = bytearray(out[-1][:-TAG_BYTES])
+            copy[5] |= FLAG_REPEAT
+            out.append(bytes(copy) + self._mac.tag(memoryview(copy)))
+        return out
+
+    def _send_datagrams(self, sends: list[tuple[int, list[bytes]]], *, phase: int) -> None:
+        """Each destination's datagrams, 16 at a time to each in turn, receiving between."""
+        queues = [(dest, deque(grams)) for dest, grams in sends]
+        while queues:
+            still = []
+            for dest, q in queues:
+                for _ in range(min(16, len(q))):
+                    data = q.popleft()
+                    flags, block, k = data[5], int.from_bytes(data[24:28], "little"), \
+                        int.from_bytes(data[28:32], "little")
+                    fate = self.fault(phase, block, k, dest) if self.fault is not None else None
+                    if fate == "drop":
+                        self._st.dropped_by_hook += 1
+                    elif fate == "hold":
+                        self._delayed.append((data, self._peers[dest]))
+                    elif self._send_one(memoryview(data), self._peers[dest]) and flags & FLAG_REPEAT:
+                        self._st.sent -= 1
+                        self._st.repeated += 1
+                if q:
+                    still.append((dest, q))
+                self._drain()
+            queues = still
 
     # --------------------------------------------------------------------------------------- sending
 
@@ -632,6 +850,7 @@ class UdpExchange:
                      _SEND_MESSAGES)
             if n > 0:
                 self._st.sent += n
+                self._st.bytes_sent += packed.length(k + n - 1) + (n - 1) * packed.size
                 k += n
             elif -n in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
                 self._wait_for_room()
@@ -658,6 +877,7 @@ class UdpExchange:
                 self._retrying(lambda: self.sock.sendmsg([data], [(_SOL_UDP, _UDP_SEGMENT,
                                                                    struct.pack("H", packed.size))], 0, addr))
                 self._st.sent += count
+                self._st.bytes_sent += end - o
                 return
             except (ConnectionRefusedError, ConnectionResetError):
                 return      # an ICMP error from an earlier datagram: this batch is lost, as any may be
@@ -676,10 +896,12 @@ class UdpExchange:
         if self._line is not None:
             self._line.put(bytes(data), addr, self._latency[self._addr_rank[addr]])
             self._st.sent += 1
+            self._st.bytes_sent += len(data)
             return True
         try:
             self._retrying(lambda: self.sock.sendto(data, addr))
             self._st.sent += 1
+            self._st.bytes_sent += len(data)
             return True
         except (ConnectionRefusedError, ConnectionResetError):
             return False
@@ -933,7 +1155,9 @@ class UdpExchange:
             self._reject("past_round")
             return
         target = state.target(phase, block, sender, any_state=True)
-        if target is None or dtcode != state.dtcode or k >= target[2] or length != state.seg_bytes(block, k):
+        rounded = state.qcode is not None and dtcode == state.qcode
+        if target is None or not (dtcode == state.dtcode or rounded) or k >= target[2] or \
+                length != (state.rounded_bytes(block, k) if rounded else state.seg_bytes(block, k)):
             self._reject("malformed")
             return
         dest, got, nseg = target
@@ -950,6 +1174,8 @@ class UdpExchange:
             return
         start = k * state.payload
         memoryview(dest)[start:start + length] = d[HEADER.size:HEADER.size + length]
+        if rounded:
+            state.mark_rounded(phase, block, sender, k)
         final = bool(flags & FLAG_FINAL)
         state.progress[phase].arrived(sender, 1, final=final, last=final and k == nseg - 1)
         self._st.received += 1
@@ -995,6 +1221,8 @@ class _Round:
         self.got2 = np.zeros((W, self.S), bool)
         self.res_u8 = res.view(np.uint8)
         self.open1 = self.open2 = True
+        self.qcode: int | None = None       # a quantized round's (:meth:`quantize`): the dtype byte of rounded data
+        self.fmt = None
         # Who is waited for: every other rank that sends me something (phase 1: not a sender of weight 0).
         per_sender1 = sum(self.nseg[j] for j in self.served)
         self.exp1 = [0 if i == me or (weights is not None and weights[i] == 0) else per_sender1 for i in range(W)]
@@ -1069,6 +1297,22 @@ class _Round:
     def seg_bytes(self, block: int, k: int) -> int:
         n = self.sizes[block]
         return (min((k + 1) * self.seg, n) - k * self.seg) * self.itemsize
+
+    def quantize(self, fmt) -> None:
+        """This round carries rounded differences in ``fmt`` beside whole values (``strategy.value_dtype``)."""
+        self.fmt, self.qcode = fmt, ROUNDED_CODES[fmt.name]
+        self.rounded1 = {j: np.zeros((self.W, self.nseg[j]), bool) for j in self.served}
+        self.rounded2 = np.zeros((self.W, self.S), bool)
+
+    def rounded_bytes(self, block: int, k: int) -> int:
+        """The payload bytes of segment k of ``block`` as rounded differences (values and their scales)."""
+        return int(self.fmt.bytes_of(self.seg_bytes(block, k) // self.itemsize))
+
+    def mark_rounded(self, phase: int, block: int, sender: int, k: int) -> None:
+        if phase == 1:
+            self.rounded1[block][sender, k] = True
+        else:
+            self.rounded2[block, k] = True
 
     def target(self, phase: int, block: int, sender: int, any_state: bool = False
                ) -> tuple[np.ndarray | None, np.ndarray, int] | None:
@@ -1203,6 +1447,7 @@ class _Progress:
 
 @dataclass(slots=True)
 class _Counters:
+    bytes_sent: int = 0
     sent: int = 0
     received: int = 0
     late: int = 0
@@ -1215,7 +1460,7 @@ class _Counters:
     def freeze(self, **timing) -> ExchangeStats:
         return ExchangeStats(sent=self.sent, received=self.received, late=self.late, rejected=self.rejected,
                              rejected_by=dict(self.rejected_by), dropped_by_hook=self.dropped_by_hook,
-                             repeated=self.repeated, grace_s=self.grace_s, **timing)
+                             repeated=self.repeated, grace_s=self.grace_s, bytes_sent=self.bytes_sent, **timing)
 
 
 # ------------------------------------------------------------------------------------------ helpers

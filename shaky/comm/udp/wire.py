@@ -6,7 +6,8 @@ Datagrams (:data:`HEADER`, then the payload, then the tag)::
     0      2     magic b"SK"
     2      1     version (2)
     3      1     phase (1: to the server, 2: the server's average)
-    4      1     dtype (1 float16, 2 float32, 3 float64)
+    4      1     dtype (1 float16, 2 float32, 3 float64: the values; 16 float32, 17 bfloat16, 18 float16,
+                        19 int8: rounded differences from the stream, see ``ROUNDED_CODES``)
     5      1     flags (bit 0: one of the sender's final datagrams to this receiver in this phase;
                         bit 1: a repeat of the very last one, see
                         :mod:`shaky.comm.udp.exchange`)
@@ -71,6 +72,9 @@ FINAL_DATAGRAMS = 4
 phase early once it has one of them from every sender; all of them are lost with probability p^4."""
 PHASES = (1, 2)
 DTYPE_CODES = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
+ROUNDED_CODES = {"float32": 16, "bfloat16": 17, "float16": 18, "int8": 19}
+"""The dtype byte of a segment of rounded differences (``strategy.value_dtype``, :mod:`shaky.comm.quant`): its
+values in that type (little-endian), and for int8 the float32 scale of each of its groups of 256 after them."""
 KEY_BYTES = 32
 
 REJECT_REASONS = ("malformed", "unknown_sender", "wrong_run", "bad_tag", "past_round", "future_round",
