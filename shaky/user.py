@@ -314,6 +314,15 @@ def load_data(name: str, seed: int) -> Any:
     return dataset_of("data.dataset", name, *made)
 
 
+def _users(call: Callable[[], Any], says: str, after: str = "", *, limit: int = 160) -> Any:
+    """``call()``, which runs the user's code: whatever it raises becomes one ValueError,
+    ``says (Type: message)after``."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the user's model or loss (vmap's refusals are errors of many kinds)
+        raise ValueError(f"{says} ({type(exc).__name__}: {' '.join(str(exc).split())[:limit]}){after}") from None
+
+
 def check_model(name: str, model: Any, data: Any, grad_fn: Callable[..., Any],
                 forward_fn: Callable[..., Any], flat: Any, loss: Callable[..., Any] | None = None,
                 loss_name: str = "") -> None:
@@ -336,12 +345,9 @@ def check_model(name: str, model: Any, data: Any, grad_fn: Callable[..., Any],
     n = min(2, len(data.y_train))
     x, y = data.x_train[:n], data.y_train[:n]
     row = flat.flatten(model)
-    try:
-        with torch.no_grad():
-            out = forward_fn(row, x)
-    except Exception as exc:  # noqa: BLE001 - the user's model
-        raise ValueError(f"model.name {name!r} fails on {n} samples of x {list(x.shape[1:])} {x.dtype} "
-                         f"({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
+    with torch.no_grad():
+        out = _users(lambda: forward_fn(row, x),
+                     f"model.name {name!r} fails on {n} samples of x {list(x.shape[1:])} {x.dtype}")
     want = f"[{n}, {', '.join(str(s) for s in y.shape[1:])}{', ' if y.dim() > 1 else ''}C]"
     if (not isinstance(out, torch.Tensor) or out.shape[:-1] != y.shape or out.shape[-1] < data.num_classes
             or not out.is_floating_point()):
@@ -349,21 +355,16 @@ def check_model(name: str, model: Any, data: Any, grad_fn: Callable[..., Any],
         raise ValueError(f"model.name {name!r} returns {got} for {n} samples; the targets need logits {want} "
                          f"with C >= {data.num_classes} (the data's classes)")
     if loss is not None:
-        try:
-            with torch.no_grad():
-                values = loss(out, y)
-        except Exception as exc:  # noqa: BLE001 - the user's loss
-            raise ValueError(f"model.loss {loss_name!r} fails on the logits {list(out.shape)} of {n} samples "
-                             f"({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
+        with torch.no_grad():
+            values = _users(lambda: loss(out, y),
+                            f"model.loss {loss_name!r} fails on the logits {list(out.shape)} of {n} samples")
         if not isinstance(values, torch.Tensor) or values.shape != (n,) or not values.is_floating_point():
             got = list(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
             raise ValueError(f"model.loss {loss_name!r} returns {got} for {n} samples; it must return each "
                              f"sample's loss, [{n}] (as F.cross_entropy(..., reduction='none'))")
-    try:
-        grad_fn(row[None].repeat(2, 1), x[None].repeat(2, *[1] * x.dim()), y[None].repeat(2, *[1] * y.dim()),
-                torch.ones(2, n, dtype=row.dtype, device=row.device))
-    except Exception as exc:  # noqa: BLE001 - vmap's refusals are RuntimeErrors and ValueErrors of many kinds
-        what = f"model.name {name!r}" + (f" with model.loss {loss_name!r}" if loss is not None else "")
-        raise ValueError(f"{what} cannot be vectorized over the workers by torch.func.vmap "
-                         f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): {instead}; write its "
-                         "forward pass without control flow on tensor values, in-place updates or dropout") from None
+    what = f"model.name {name!r}" + (f" with model.loss {loss_name!r}" if loss is not None else "")
+    _users(lambda: grad_fn(row[None].repeat(2, 1), x[None].repeat(2, *[1] * x.dim()),
+                           y[None].repeat(2, *[1] * y.dim()), torch.ones(2, n, dtype=row.dtype, device=row.device)),
+           f"{what} cannot be vectorized over the workers by torch.func.vmap",
+           f": {instead}; write its forward pass without control flow on tensor values, in-place updates or dropout",
+           limit=200)

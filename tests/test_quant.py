@@ -172,7 +172,7 @@ def test_the_clock_counts_the_bytes_that_travel() -> None:
 @pytest.mark.parametrize("strategy", [{"name": "rps"}, {"name": "diloco", "period": 5},
                                       {"name": "diloco", "period": 5, "reliable": True}, {"name": "allreduce"},
                                       {"name": "dts", "delay": 3, "period": 2}])
-def test_int8_trains_like_float_and_sends_about_a_quarter(strategy: dict, tmp_run) -> None:
+def test_int8_trains_like_float_and_sends_under_half_the_bytes(strategy: dict, tmp_run) -> None:
     base = make_config(steps=100, eval_every=50, strategy=strategy, network={"drop_rate": 0.1})
     full, _, _ = run(base, tmp_run())
     small, _, _ = run(make_config(steps=100, eval_every=50, strategy={**strategy, "value_dtype": "int8"},

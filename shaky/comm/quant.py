@@ -47,6 +47,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from shaky.comm.rps import own_parts_delivered
 from shaky.geometry import block_sizes, segment_length
 
 GROUP = 256
@@ -112,7 +113,7 @@ def segment_index(dim: int, num_blocks: int, seg_len: int) -> tuple[torch.Tensor
 
 
 @lru_cache(maxsize=32)
-def _spread_index(dim: int, num_blocks: int, seg_len: int, num_segments: int) -> torch.Tensor:
+def spread_index(dim: int, num_blocks: int, seg_len: int, num_segments: int) -> torch.Tensor:
     """int64 [dim]: each value's place in a [.., W, S] mask flattened to [.., W * S] (:func:`segment_index`)."""
     blocks, segs = segment_index(dim, num_blocks, seg_len)
     return blocks * num_segments + segs
@@ -126,41 +127,25 @@ def _take(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return t.index_select(-1, ids.to(t.device))
 
 
-def _columns(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``t[:, ids]``: each row's entries at ``ids``."""
-    return _take(t, ids)
-
-
 def round_trip(d: torch.Tensor, fmt: ValueFormat, groups: tuple[torch.Tensor, int] | None) -> torch.Tensor:
-    """``deq(Q(d))``: what a receiver recovers of ``d`` [..., dim] sent in ``fmt``, in ``d``'s dtype.
-
-    ``groups``: :func:`group_ids` of the row's layout (int8 only). An int8 group of zeros has scale 0 and comes
-    back as zeros."""
-    if fmt.scale_bytes == 0:
-        return d.to(fmt.dtype).to(d.dtype)
-    ids, count = groups
-    ids = ids.to(d.device)
-    flat = d.reshape(-1, d.shape[-1])
-    amax = flat.new_zeros(flat.shape[0], count).scatter_reduce_(1, ids.expand_as(flat), flat.abs(), "amax")
-    # The scale travels as float32: it is rounded to float32 before either end uses it.
-    scale = (amax / 127).to(torch.float32).to(d.dtype)
-    per_value = _columns(scale, ids)
-    safe = torch.where(per_value > 0, per_value, torch.ones_like(per_value))
-    q = torch.round(flat / safe).clamp_(-127, 127)
-    return (q * per_value).reshape(d.shape)
+    """``deq(Q(d))``: what a receiver recovers of ``d`` [..., dim] sent in ``fmt``, in ``d``'s dtype
+    (:func:`decode` of :func:`encode`). ``groups``: :func:`group_ids` of the row's layout (int8 only). An int8
+    group of zeros has scale 0 and comes back as zeros."""
+    return decode(*encode(d, fmt, groups), d.dtype, groups)
 
 
 def encode(d: torch.Tensor, fmt: ValueFormat, groups: tuple[torch.Tensor, int] | None
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``Q(d)`` as it travels: the values in ``fmt`` and, for int8, the float32 scale of each group (a
-    transport's payload). :func:`decode` of it equals :func:`round_trip`."""
+    transport's payload). The scale travels as float32: both ends use it rounded to float32."""
     if fmt.scale_bytes == 0:
         return d.to(fmt.dtype), None
     ids, count = groups
+    ids = ids.to(d.device)
     flat = d.reshape(-1, d.shape[-1])
     amax = flat.new_zeros(flat.shape[0], count).scatter_reduce_(1, ids.expand_as(flat), flat.abs(), "amax")
     scale32 = (amax / 127).to(torch.float32)
-    per_value = _columns(scale32.to(d.dtype), ids)
+    per_value = _take(scale32.to(d.dtype), ids)
     safe = torch.where(per_value > 0, per_value, torch.ones_like(per_value))
     q = torch.round(flat / safe).clamp_(-127, 127).to(torch.int8)
     return q.reshape(d.shape), scale32.reshape(*d.shape[:-1], count)
@@ -171,9 +156,9 @@ def decode(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
     """The values :func:`encode` sent, in ``dtype``."""
     if scale is None:
         return q.to(dtype)
-    ids, _ = groups
+    ids = groups[0].to(q.device)
     flat = q.reshape(-1, q.shape[-1]).to(dtype)
-    return (flat * _columns(scale.reshape(flat.shape[0], -1).to(dtype), ids)).reshape(q.shape)
+    return (flat * _take(scale.reshape(flat.shape[0], -1).to(dtype), ids)).reshape(q.shape)
 
 
 def quantized_mean(comm, x: torch.Tensor, members, ref: torch.Tensor, held: torch.Tensor, carry: torch.Tensor,
@@ -206,6 +191,25 @@ def quantized_mean(comm, x: torch.Tensor, members, ref: torch.Tensor, held: torc
     return result, torch.where(taken, result, ref), taken.to(x.dtype), carry, everyone
 
 
+def message_kinds(insync: torch.Tensor, up: torch.Tensor, servers: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What each message of a round carries, from who held which stream before it (``insync`` bool [W, W, S],
+    worker, block, segment) and what arrived in phase 1 (``up`` [W, W, S]): the block parts that never travel
+    (``own`` [W, W, 1]), the phase-1 segments sent rounded (``rounded_up`` [sender, block, S]: the sender held
+    the stream), the segments whose server holds its stream (``server_sync`` [block, S]), and the phase-2
+    segments sent whole (``whole`` [receiver, block, S]: the server holds no stream, or the receiver's segment came
+    whole, so it holds none; q_t otherwise, of use only to a receiver in sync). The simulator and every rank of
+    udp compute them alike."""
+    w = insync.shape[0]
+    blocks = torch.arange(w, device=insync.device)
+    own = torch.zeros(w, w, 1, dtype=torch.bool, device=insync.device)
+    own[servers, blocks] = True
+    rounded_up = insync & ~own
+    server_sync = insync[servers, blocks]
+    whole = ~server_sync[None] | (up & ~rounded_up)
+    return own, rounded_up, server_sync, whole
+
+
 def quantized_block_average(server_averages, x: torch.Tensor, links, members, ref: torch.Tensor,
                             sync: torch.Tensor, carry: torch.Tensor, fmt: ValueFormat
                             ) -> tuple[torch.Tensor, ...]:
@@ -223,27 +227,22 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     """
     w, dim = x.shape
     seg = segment_length(links.segment_bytes, x.element_size())
-    blocks = torch.arange(w)
-    srv = blocks if members.all_live else members.servers.to(torch.int64)
-    from shaky.comm.rps import own_parts_delivered   # (rps imports nothing of this module)
+    srv = torch.arange(w) if members.all_live else members.servers.to(torch.int64)
     up, down = own_parts_delivered(links.up, links.down, srv)
     segmented = up.dim() == 3
     up3, down3 = (up, down) if segmented else (up[..., None], down[..., None])
     device = x.device   # (the masks and the membership are drawn on the host)
-    up3, down3, srv, blocks = (t.to(device) for t in (up3, down3, srv, blocks))
+    up3, down3, srv = (t.to(device) for t in (up3, down3, srv))
     live, present = members.live.to(device), (members.live & ~members.rejoined).to(device)
     num_segments = up3.shape[2]
     stream_of = (srv + 1).to(x.dtype)[None, :, None]              # whose stream a sync entry names
     insync = (sync == stream_of) & present[:, None, None] if tuple(sync.shape) == (w, w, num_segments) else \
         torch.zeros(w, w, num_segments, dtype=torch.bool, device=device)
-    own = torch.zeros(w, w, 1, dtype=torch.bool, device=device)
-    own[srv, blocks] = True
-    server_sync = insync[srv, blocks]                              # [block, S]: its server holds the stream
-    rounded_up = insync & ~own                                     # [sender, block, S]: sent rounded
+    own, rounded_up, server_sync, whole = message_kinds(insync, up3, srv)
     # A server that does not hold the stream cannot read a rounded segment: to it, that segment is lost.
     used_up = up3 & (~rounded_up | server_sync[None])
     blk = segment_index(dim, w, seg)[0].to(device)
-    spread = _spread_index(dim, w, seg, num_segments)
+    spread = spread_index(dim, w, seg, num_segments)
 
     def per_value(mask: torch.Tensor) -> torch.Tensor:       # [W, S] -> [D], [w, W, S] -> [w, D]
         return _take(mask.reshape(*mask.shape[:-2], -1), spread)
@@ -263,9 +262,6 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     stream = torch.where(streaming, b + step, avg)
     carry = torch.where(rounded_pos, d - d_sent, torch.zeros_like(d))
     carry.view(-1).index_copy_(0, at_server, torch.where(streaming, target - b - step, torch.zeros_like(b)))
-    # [receiver, block, S]: sent the new value whole (the server holds no stream, or the receiver's segment came
-    # whole: it holds none); q_t otherwise, of use only to a receiver in sync
-    whole = ~server_sync[None] | (up3 & ~rounded_up)
     take = (down3.transpose(0, 1) & (whole | insync) & live[:, None, None]) | own
     take_pos = per_value(take)
     out = torch.where(take_pos, stream[None], x)

@@ -27,6 +27,18 @@ WHERE_ON_CPU = False
 tests check both give the same bits); the compiled one copies only the lost blocks, which is faster there."""
 
 
+def _averages(x: torch.Tensor, share: torch.Tensor, seg: int) -> torch.Tensor:
+    """Every server's average of its block (:func:`shaky.comm.rps.server_average` with ``share``, rps.shares's
+    [blocks, S, senders]), side by side in one row [D]: each group of equal blocks one batched product."""
+    w, dim = x.shape
+    avg = x.new_empty(dim)
+    for first, last, start, size in block_groups(dim, w):
+        nb, stop = last - first, start + (last - first) * size
+        rps.server_average(share[first:last], x[:, start:stop].view(w, nb, size).transpose(0, 1), seg,
+                           out=avg[start:stop].view(nb, size))
+    return avg
+
+
 class SimComm:
     """Comm for W workers held in one process; every exchange is a few tensor ops."""
 
@@ -61,15 +73,8 @@ class SimComm:
         """Phase 1 alone (:func:`shaky.comm.rps.shares`, :func:`~shaky.comm.rps.server_average`): every value's
         server average [D] over the senders whose segment of ``seg`` values (0: block) arrived, ``up`` per block
         with each server's own part delivered (the quantized exchange, :mod:`shaky.comm.quant`, does phase 2)."""
-        w, dim = x.shape
         weights = None if weights is None else on_device(weights, x.device)
-        share = rps.shares(on_device(up, x.device), weights, x.dtype)
-        avg = x.new_empty(dim)
-        for first, last, start, size in block_groups(dim, w):
-            nb, stop = last - first, start + (last - first) * size
-            rps.server_average(share[first:last], x[:, start:stop].view(w, nb, size).transpose(0, 1), seg,
-                               out=avg[start:stop].view(nb, size))
-        return avg
+        return _averages(x, rps.shares(on_device(up, x.device), weights, x.dtype), seg)
 
     def block_average(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                       weights: torch.Tensor | None = None, servers: torch.Tensor | None = None,
@@ -102,11 +107,7 @@ class SimComm:
         groups = block_groups(dim, w)
         # Every server's average of its block, side by side in one row (read before anything is written: ``out``
         # may be ``x``) ...
-        avg = x.new_empty(dim)
-        for first, last, start, size in groups:
-            nb, stop = last - first, start + (last - first) * size
-            rps.server_average(share[first:last], x[:, start:stop].view(w, nb, size).transpose(0, 1), seg,
-                               out=avg[start:stop].view(nb, size))
+        avg = _averages(x, share, seg)
         # ... taken by every worker, except where it was lost: there it keeps its own block.
         out = x if overwrite and x.is_contiguous() else torch.empty_like(x)
         if compiled and not WHERE_ON_CPU and x.stride(1) == 1 and out.stride(1) == 1:

@@ -26,12 +26,13 @@ import torch
 import torch.distributed as dist
 
 from shaky.comm.base import Handle, MeanHandle
+from shaky.comm.quant import message_kinds
 from shaky.comm.gloo import JoinStore, broadcast_object, rendezvous_store
 from shaky.comm.udp.control import ControlPlane, GlooControl, QuorumControl
 from shaky.comm.udp.exchange import (AdaptiveDeadline, ExchangeStats, QuantState, UdpExchange, UdpOptions,
                                      python_path_warning, run_masks)
 from shaky.config import DistConfig
-from shaky.geometry import LinkSample, block_sizes, own_parts
+from shaky.geometry import LinkSample, block_sizes
 from shaky.membership.heartbeat import Heartbeat
 from shaky.progress import say
 
@@ -372,11 +373,7 @@ class UdpDistComm:
             new = self._launch(x, members.weights, srv, links.segment_bytes, copy=True, quant=q).wait()
         finally:
             self._quant_row = None
-        insync = self._insync
-        own = torch.from_numpy(own_parts(srv_list))[..., None]
-        rounded_up = insync & ~own
-        server_sync = insync[torch.tensor(srv_list), torch.arange(w)]
-        whole = ~server_sync[None] | (self._observed.up & ~rounded_up)
+        own, rounded_up, _, whole = message_kinds(self._insync, self._observed.up, torch.tensor(srv_list))
         rounded_down = (~whole & ~own).transpose(0, 1)
         dtype = x.dtype
         return (new, torch.from_numpy(q.ref).to(dtype)[None], torch.from_numpy(q.sync).to(dtype)[None],

@@ -477,7 +477,7 @@ class UdpExchange:
                   deadline_s: float) -> tuple[np.ndarray, np.ndarray, ExchangeStats]:
         W, me = self.num_workers, self.rank
         t_start = time.perf_counter()
-        self._st = st = _Counters()
+        self._st = _Counters()
         state = _Round(rnd, self.run_id, x, res, srv, w, me, W, self.segment_bytes, recv=self._recv_buffers)
         self._cur = state
         if self._fast:
@@ -516,16 +516,20 @@ class UdpExchange:
         t3 = time.perf_counter()
         down_obs = state.down_mask()
         state.keep_own_where_lost(down_obs)
+        return up_obs, down_obs, self._end_round(state, (closed1, closed2), (t_start, t1, t2, t3))
 
+    def _end_round(self, state: _Round, closed_by: tuple[str, str], times: tuple[float, ...]) -> ExchangeStats:
+        """The round is over: kept as the previous one (without buffers), the fault hook's held datagrams sent,
+        and its counters."""
         self._prev = state.finished()
         self._cur = None
-        self._last_round = rnd
+        self._last_round = state.round
         delayed, self._delayed = self._delayed, []
         for data, addr in delayed:
             self._send_one(memoryview(data), addr)
-        stats = st.freeze(expected=(state.expected1, state.expected2), closed_by=(closed1, closed2),
-                          phase1_s=t1 - t_start, average_s=t2 - t1, phase2_s=t3 - t2)
-        return up_obs, down_obs, stats
+        t_start, t1, t2, t3 = times
+        return self._st.freeze(expected=(state.expected1, state.expected2), closed_by=closed_by,
+                               phase1_s=t1 - t_start, average_s=t2 - t1, phase2_s=t3 - t2)
 
     def _exchange_quant(self, x: np.ndarray, res: np.ndarray, rnd: int, srv: list[int], w: np.ndarray | None,
                         deadline_s: float, q: QuantState) -> tuple[np.ndarray, np.ndarray, ExchangeStats]:
@@ -534,7 +538,7 @@ class UdpExchange:
         built, sent and read in Python."""
         W, me, fmt = self.num_workers, self.rank, q.fmt
         t_start = time.perf_counter()
-        self._st = st = _Counters()
+        self._st = _Counters()
         state = _Round(rnd, self.run_id, x, res, srv, w, me, W, self.segment_bytes, recv=self._recv_buffers)
         state.quantize(fmt)
         self._cur = state
@@ -544,6 +548,10 @@ class UdpExchange:
         ids = groups[0].numpy() if groups is not None else None
         stream_of = np.asarray(srv, np.float64)[:, None] + 1                     # [block, 1]
         insync = (q.sync == stream_of) if q.present else np.zeros(q.sync.shape, bool)   # [block, S]
+        spread = _quant.spread_index(dim, W, seg, state.S).numpy()
+
+        def per_value(mask: np.ndarray) -> np.ndarray:        # [block, S] -> [D]
+            return mask.reshape(-1)[spread]
 
         def segment(j: int, k: int) -> tuple[int, int]:
             a = state.starts[j] + k * seg
@@ -612,8 +620,7 @@ class UdpExchange:
             target = np.zeros(dim, x.dtype)
             target[lo:hi] = avg + q.carry[lo:hi] - q.ref[lo:hi]
             codes2, scales2, step = encode(target)
-            streaming = np.repeat(insync[j, :state.nseg[j]], [b - a for a, b in (segment(j, k) for k in
-                                                                                   range(state.nseg[j]))])
+            streaming = per_value(insync)[lo:hi]
             new = np.where(streaming, q.ref[lo:hi] + step[lo:hi], avg)
             carry[lo:hi] = np.where(streaming, target[lo:hi] - step[lo:hi], 0)
             avg[:] = new
@@ -649,22 +656,10 @@ class UdpExchange:
                 res[a:b] = q.ref[a:b] + self._decoded(payload, fmt, b - a, dtype, ids, a, b)
         state.keep_own_where_lost(take)
         # The streams this rank now holds: every segment it took, its own blocks' included.
-        spread = np.concatenate([np.repeat(take[j, :state.nseg[j]], [b - a for a, b in (segment(j, k) for k in
-                                                                                      range(state.nseg[j]))])
-                                 for j in range(W) if state.nseg[j]]) if dim else np.zeros(0, bool)
-        q.ref = np.where(spread, res, q.ref)
+        q.ref = np.where(per_value(take), res, q.ref)
         q.sync = np.where(take, stream_of, 0.0).astype(q.sync.dtype)
         q.carry = carry
-
-        self._prev = state.finished()
-        self._cur = None
-        self._last_round = rnd
-        delayed, self._delayed = self._delayed, []
-        for data, addr in delayed:
-            self._send_one(memoryview(data), addr)
-        stats = st.freeze(expected=(state.expected1, state.expected2), closed_by=(closed1, closed2),
-                          phase1_s=t1 - t_start, average_s=t2 - t1, phase2_s=t3 - t2)
-        return up_obs, down_obs, stats
+        return up_obs, down_obs, self._end_round(state, (closed1, closed2), (t_start, t1, t2, t3))
 
     @staticmethod
     def _decoded(payload: bytes, fmt, n: int, dtype: torch.dtype, ids: np.ndarray | None, a: int, b: int
