@@ -4,9 +4,23 @@ Run on one machine with two processes (gloo, CPU):
 
     torchrun --nproc-per-node 2 examples/rps_averager.py --drop-rate 0.1 --steps 300
 
-Each rank trains its own copy of the model below on its own half of
+Each rank trains its own copy of the model below on its own part of
 scikit-learn's digits; after every optimizer step, ``averager.step()`` averages
 the models block by block, losing 10% of the messages.
+
+Over real UDP datagrams, which are never resent (the losses are the network's),
+with ranks that survive the death of another: start them yourself, not under
+torchrun, whose agent stops every worker when one fails (README, "Survivors
+train on"). Three ranks on this machine, each in a shell of its own (R = 0, 1, 2):
+
+    export SHAKY_KEY=$(openssl rand -hex 32) TORCH_CPP_LOG_LEVEL=ERROR  # the same in every shell
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=3 RANK=R \
+        python examples/rps_averager.py --transport udp --steps 2000
+
+Kill rank 1 or 2 part way (kill -9): the others go on with two after the
+heartbeat timeout (3 s) and finish every step (``--log-every 50`` shows the
+live workers). Rank 0 holds the run's control store, so its death still ends
+the run.
 """
 
 from __future__ import annotations
@@ -35,6 +49,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drop-rate", type=float, default=0.1)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--transport", choices=("gloo", "udp"), default="gloo")
+    parser.add_argument("--log-every", type=int, default=0, metavar="N", help="print the loss every N steps")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -47,21 +63,28 @@ def main() -> None:
 
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    averager = shaky.RPSAverager(model, network={"drop_rate": args.drop_rate})  # <- shaky, line 1
+    network = {} if args.transport == "udp" else {"drop_rate": args.drop_rate}
+    averager = shaky.RPSAverager(model, network=network, transport=args.transport)  # <- shaky, line 1
     generator = torch.Generator().manual_seed(rank)
-    for _ in range(args.steps):
+    for step in range(args.steps):
         idx = torch.randint(len(y_mine), (32,), generator=generator)
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x_mine[idx]), y_mine[idx]).backward()
+        loss = torch.nn.functional.cross_entropy(model(x_mine[idx]), y_mine[idx])
+        loss.backward()
         optimizer.step()
         averager.step()                                                            # <- shaky, line 2
+        if args.log_every and (step + 1) % args.log_every == 0:
+            sys.stdout.write(f"rank {rank}: step {step + 1}, loss {loss.item():.4f}, "
+                             f"live workers {averager.live_workers}\n")
+            sys.stdout.flush()
+    averager.close()   # udp: rank 0 holds the control store until the others are done with it
 
     with torch.no_grad():
         accuracy = (model(torch.tensor(x_test, dtype=torch.float32)).argmax(1) == torch.tensor(y_test)).float().mean()
     # One write per line: print() writes the text and the newline separately, and two ranks
     # sharing torchrun's stdout can interleave between them.
     sys.stdout.write(f"rank {rank}: test accuracy {accuracy:.4f}, messages dropped {averager.messages_dropped} "
-                     f"of {averager.messages_sent}\n")
+                     f"of {averager.messages_sent}, live workers {averager.live_workers}\n")
     sys.stdout.flush()
     dist.destroy_process_group()
 

@@ -46,12 +46,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 
 from shaky.comm.base import DRAWN, observer
-from shaky.comm.gloo import DistComm
+from shaky.comm.gloo import DistComm, rendezvous_store
 from shaky.comm.udp.comm import udp_comm
-from shaky.config import UDP_PORTS, DistConfig, NetworkConfig, _build
+from shaky.config import HEARTBEAT_TIMEOUT_S, UDP_PORTS, DistConfig, NetworkConfig, _build
 from shaky.job.env import JobEnv
 from shaky.network.clock import PhaseTraffic
-from shaky.network.faults import Membership, Round
+from shaky.membership import Agreed
+from shaky.membership.heartbeat import Heartbeat
+from shaky.network.faults import FailureSchedule, Membership, Round
 from shaky.network.model import NetworkModel
 from shaky.schedule import Schedule
 from shaky.geometry import LinkSample, segment_counts, segment_length
@@ -194,7 +196,7 @@ class ModelAverager:
                  period: int = 1, warmup_steps: int = 0, seed: int = 0,
                  outer_optimizer: OuterSGD | None = None, average_buffers: bool = True, transport: str = "gloo",
                  deadline_ms: float | None = None, key_file: str = "", ports: str = UDP_PORTS,
-                 host: str = "") -> None:
+                 host: str = "", heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         """Args:
             model: The module whose parameters every rank averages (same architecture on every rank).
             network: A NetworkConfig, a dict of its settings (``{"drop_rate": 0.1}``), or a preset name. A
@@ -215,6 +217,11 @@ class ModelAverager:
                 rendezvous store, and every rank says so on stderr.
             ports: udp: the UDP ports a rank may bind ("FIRST-LAST" or one port); it binds the first free one.
             host: udp: this rank's IPv4 address as the others reach it (empty: the route to MASTER_ADDR).
+            heartbeat_timeout_s: udp: a rank whose heartbeat has been silent this long (SIGKILLed, crashed,
+                frozen) is left out, and the others train on without it: its blocks move to live ranks and its
+                values leave the averages (README, "Survivors train on"). Start the ranks with ``shaky launch``
+                or by hand, not under torchrun's agent, which stops every worker when one fails. A rank left out
+                stays out: a user's loop has no state to hand a process started again.
             The udp settings are ``shaky train``'s ``[dist]`` settings, checked alike (a ValueError names the
             setting); setting one with transport "gloo" is an error.
         """
@@ -228,7 +235,7 @@ class ModelAverager:
         if not isinstance(average_buffers, bool):
             raise TypeError(f"average_buffers must be True or False, got {average_buffers!r}")
         settings = DistConfig(transport=transport, deadline_ms="adaptive" if deadline_ms is None else deadline_ms,
-                              key_file=key_file, ports=ports, host=host)
+                              key_file=key_file, ports=ports, host=host, heartbeat_timeout_s=heartbeat_timeout_s)
         if not dist.is_initialized():
             raise RuntimeError("the averager needs torch.distributed to be initialised (start with torchrun)")
         cfg = _network_config(network, dist.get_world_size())
@@ -239,9 +246,16 @@ class ModelAverager:
             # A user's torchrun process: the averager is its entry point, and reads $SHAKY_KEY and MASTER_ADDR
             # as the command line does (JobEnv), for the comm below it.
             env = JobEnv.from_environ(os.environ)
-            self.comm: DistComm = udp_comm(settings, key_text=env.key, master_addr=env.route_to)
+            # Live membership, as ``shaky train --transport udp``: the heartbeat tells a dead rank from a slow one,
+            # and the survivors agree in the control rounds on who is in (shaky.membership.Agreed).
+            self._heartbeat: Heartbeat | None = Heartbeat(dist.get_rank(), dist.get_world_size(), rendezvous_store())
+            self.comm: DistComm = udp_comm(settings, heartbeat=self._heartbeat, key_text=env.key,
+                                           master_addr=env.route_to)
+            self._agreed: Agreed | None = Agreed(self.comm.agreement, FailureSchedule((), self.comm.num_workers, 0))
         else:
+            self._heartbeat, self._agreed = None, None
             self.comm = DistComm()
+        self._closed = False
         self.transport = transport
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -313,7 +327,11 @@ class ModelAverager:
             if self.outer is not None:  # warm-up averages exactly; the outer step starts after it
                 self.outer_state = _outer_init(self.outer, groups, averaged)
         else:
-            rnd = Round(self._rounds_before(step), self.network.sample(self._rounds_before(step)), self.members)
+            index = self._rounds_before(step)
+            if self._agreed is not None:    # who is in (udp): the changes the survivors agreed on so far
+                self.members = self._agreed.step(index, None).members
+            servers = None if self.members.all_live else self.members.servers
+            rnd = Round(index, self.network.sample(index, servers), self.members)
             seen_by = observer(self.comm)
             averaged, stats = [], []
             for v in vecs:  # every group in the same round, with the same masks (udp: what each one's got)
@@ -334,6 +352,31 @@ class ModelAverager:
                 averaged, self.outer_state = _outer_step(self.outer, self.outer_state, groups, averaged)
         for g, a in zip(groups, averaged):
             g.write(a)
+
+    @property
+    def live_workers(self) -> int:
+        """The ranks in the last exchange: every rank, but on udp after ranks were left out."""
+        return int(self.members.live.sum())
+
+    def close(self) -> None:
+        """Closes the transport: on udp its sockets, control plane and heartbeat. Call it on every rank when
+        training is done, before ``dist.destroy_process_group()``: rank 0's process holds the control rounds'
+        store, and waits there (at most ``heartbeat_timeout_s``) for the other live ranks to be done with it.
+        Calling it again does nothing; ``with averager:`` calls it at the block's end."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.comm.close()
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.close()
+
+    def __enter__(self) -> ModelAverager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _count(self, stats: StepStats) -> None:
         self.bytes_sent += stats.bytes_sent
@@ -451,10 +494,10 @@ class RPSAverager(ModelAverager):
     def __init__(self, model: torch.nn.Module, *, network: NetworkConfig | dict[str, Any] | str | None = None,
                  warmup_steps: int = 0, seed: int = 0, average_buffers: bool = True, transport: str = "gloo",
                  deadline_ms: float | None = None, key_file: str = "", ports: str = UDP_PORTS,
-                 host: str = "") -> None:
+                 host: str = "", heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         super().__init__(model, network=network, period=1, warmup_steps=warmup_steps, seed=seed,
                          average_buffers=average_buffers, transport=transport, deadline_ms=deadline_ms,
-                         key_file=key_file, ports=ports, host=host)
+                         key_file=key_file, ports=ports, host=host, heartbeat_timeout_s=heartbeat_timeout_s)
 
 
 def _outer_init(outer: OuterSGD, groups: list[_Group], averaged: list[torch.Tensor]) -> list[OuterState]:

@@ -152,6 +152,10 @@ _UNSET_UNWRITTEN = {"unset_unwritten": True}
 """Field metadata: a setting that :func:`to_dict` leaves out while it holds its default, so that a config that
 does not use it reads and writes as configs did before it existed (a run directory, a sweep's finished runs)."""
 
+HEARTBEAT_TIMEOUT_S = 3.0
+"""``dist.heartbeat_timeout_s``'s default (and the averagers')."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     dataset: str = "digits"
@@ -428,7 +432,7 @@ class DistConfig:
     """udp: UDP payload bytes of a full datagram (1472 fits a 1500-byte MTU); every rank the same."""
     send_rate_mbps: float = 0.0
     """udp: pace each rank's sending to this rate (0: unpaced)."""
-    heartbeat_timeout_s: float = 3.0
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     """udp: a rank whose heartbeat (a thread beating every 0.25 s in the control plane's store) stops for this long is
     declared dead, and the survivors train on without it (its blocks move to the next live rank)."""
     emulate_latency: bool = False

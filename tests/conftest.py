@@ -82,19 +82,19 @@ def stop_at(step: int) -> FaultInjector:
 
 def launch_ranks(args: list[str], cwd: Path, fault: str = "", workers: int = 4,
                  env: dict[str, str] | None = None, *, port: int | None = None,
-                 ranks: list[int] | None = None) -> list[subprocess.Popen]:
+                 ranks: list[int] | None = None, command: list[str] | None = None) -> list[subprocess.Popen]:
     """``workers`` processes of ``shaky train args`` started the way torchrun starts them on as many machines
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without a local agent that would kill the survivors of a
     failure itself; ``fault`` is SHAKY_INJECT_FAULT. ``port``: MASTER_PORT (a free one if None); ``ranks``:
-    start only these (all if None)."""
+    start only these (all if None); ``command``: what runs with ``args`` (None: ``shaky train``)."""
     port = str(port or free_port())
     procs = []
     for rank in range(workers) if ranks is None else ranks:
         rank_env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(rank),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
                     "SHAKY_INJECT_FAULT": fault, **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, "-m", "shaky", "train", *args], cwd=cwd, env=rank_env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([*(command or [sys.executable, "-m", "shaky", "train"]), *args], cwd=cwd,
+                                      env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
 

@@ -37,7 +37,7 @@ class Members(Protocol):
     """The run's membership as failures (configured, and with :class:`Agreed` those observed at run time): the
     checkpoint records it and the simulator replays it."""
 
-    def step(self, step: int, handover: Handover) -> Turn:
+    def step(self, step: int, handover: Handover | None) -> Turn:
         """Called at each step's start, before anything of the step is exchanged."""
         ...
 
@@ -61,8 +61,8 @@ class Agreement(Protocol):
     """What a transport with live membership (udp with ``dist.heartbeat_timeout_s``) agreed on among the
     survivors: changes of the live ranks, and ranks started again to take back."""
 
-    def on_step(self, step: int) -> None:
-        """A step starts: its first control round may take ranks back."""
+    def on_step(self, step: int, *, admit: bool = True) -> None:
+        """A step starts: its first control round may take ranks back (unless ``admit`` is False)."""
         ...
 
     def take_admitted(self) -> tuple[int, ...]:
@@ -79,17 +79,22 @@ class Agreement(Protocol):
 
 
 class Agreed:
-    """The membership the survivors agree on at run time, written into ``schedule`` as it is agreed."""
+    """The membership the survivors agree on at run time, written into ``schedule`` as it is agreed.
+
+    A loop that can hand its state to a process started again (``shaky train``) passes a ``handover`` each step
+    and takes such ranks back; one that cannot (a user's own loop with ``RPSAverager(transport="udp")``, whose
+    state is the user's) passes None, and its rounds take nobody back: its survivors train on without the dead.
+    """
 
     def __init__(self, agreement: Agreement, schedule: FailureSchedule) -> None:
         self.schedule = schedule
         self._agreement = agreement
 
-    def step(self, step: int, handover: Handover) -> Turn:
+    def step(self, step: int, handover: Handover | None) -> Turn:
         agreement = self._agreement
-        agreement.on_step(step)
-        joiners = agreement.take_admitted()
-        if joiners:
+        agreement.on_step(step, admit=handover is not None)
+        joiners = agreement.take_admitted() if handover is not None else ()
+        if handover is not None and joiners:
             agreement.welcome(joiners, handover(joiners))
         for at, live in agreement.take_membership():  # a dead rank left out, or ranks taken back
             self.schedule.observe(at, live)

@@ -255,11 +255,12 @@ class QuorumControl:
 
     # ------------------------------------------------------------------ the agreement (shaky.membership.Agreed)
 
-    def on_step(self, step: int) -> None:
-        """A step starts: its progress is marked, and its first control round may take ranks back."""
+    def on_step(self, step: int, *, admit: bool = True) -> None:
+        """A step starts: its progress is marked, and its first control round may take ranks back (unless
+        ``admit`` is False: a loop that cannot hand its state over, :class:`shaky.membership.Agreed`)."""
         self.heartbeat.mark(step)
         self._step = step
-        self._admitting = True
+        self._admitting = admit
 
     def take_admitted(self) -> tuple[int, ...]:
         """The ranks started again that the survivors agreed to take back (in a round of the last step, the
