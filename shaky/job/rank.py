@@ -120,6 +120,23 @@ def rejoin(env: JobEnv, setup: Any, joining: Any, *, quiet: bool) -> int:
     return 0
 
 
+def ask_to_be_taken_back(env: JobEnv, setup: Any, left_behind: LeftBehind, *, quiet: bool) -> int:
+    """A rank the others left out while it stood still (SIGSTOP, a stalled machine, a long pause) and that woke
+    up: its sockets, heartbeat and process group are closed, and it asks to be taken back as a process started
+    again for it would (:func:`rejoin`), in this process: the survivors take it back at a step's start, and it
+    trains on from their state. Status 3 with one line if the run has ended meanwhile."""
+    rank = int(env.rank or 0)
+    try:
+        joining = run_in_progress(env, setup.cfg.dist_timeout_s)
+    except (NoStore, RankTaken):
+        joining = None
+    if joining is None:     # the run ended (or its store went with rank 0)
+        say(f"shaky: error: {left_behind}, and the run ended before it could be taken back")
+        return 3
+    say(f"shaky: rank {rank}: {left_behind}; it asks to be taken back")
+    return rejoin(env, setup, joining, quiet=quiet)
+
+
 def staged(comm: Any, setup: Any) -> Any:
     """On a GPU rank, the host Comm (gloo or udp) behind pinned-memory staging (shaky.comm.staged)."""
     if setup.device.type == "cpu":
@@ -183,6 +200,7 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
         # What a process started again for a dead rank needs (udp takes it back; gloo says it cannot).
         publish_run(comm.store, {"run_dir": resolved, "compute_ms": setup.compute_ms,
                                  "config": to_dict(cfg), "transport": cfg.dist.transport, "host": host,
+                                 "udp_prefix": getattr(comm, "prefix", None),
                                  "inputs": inputs, "machines": {str(rank): machine["settings"]
                                                                 for rank, machine in setup.machines.items()}},
                     key=keys.run)
@@ -195,7 +213,13 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
             say_ended(comm.store, keys.ended)
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
         comm.barrier()
-    except (LeftBehind, ForgedRecord) as exc:
+    except LeftBehind as exc:
+        if writer:      # rank 0 hosts the control store: the others cannot have gone on without it
+            end_run(comm, keys.ended)
+            say(f"shaky: error: {exc}; last checkpoint: {checkpoint_note(run_dir, dist_command(env), local)}")
+            return 3
+        left_behind = exc
+    except ForgedRecord as exc:
         if writer:
             end_run(comm, keys.ended)
         say(f"shaky: error: {exc}; last checkpoint: {checkpoint_note(run_dir, dist_command(env), local)}")
@@ -204,11 +228,15 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
         if writer:
             end_run(comm, keys.ended)
         return run_stopped(env, comm.rank, heartbeat, cfg, exc, run_dir, resolved, local)
+    else:
+        left_behind = None
     finally:
         comm.close()
         heartbeat.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if left_behind is not None:
+        return ask_to_be_taken_back(env, setup, left_behind, quiet=quiet)
     if writer:
         if not quiet:
             print(json.dumps(summary, indent=2))

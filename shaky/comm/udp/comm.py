@@ -185,8 +185,12 @@ class UdpDistComm:
         self.rows = torch.tensor([self.rank])
         self.wait_s = 0.0
         """Seconds spent blocked waiting for exchanges."""
-        UdpDistComm._instances += 1
-        prefix = self.prefix = f"shaky/udp/{UdpDistComm._instances}"
+        if joining is None:
+            UdpDistComm._instances += 1
+        # A process that joins a run in progress takes the run's keys (a rank that was left out and asks to be
+        # taken back has built comms of its own before: its count is not the run's).
+        prefix = self.prefix = f"shaky/udp/{UdpDistComm._instances}" if joining is None else \
+            str(joining.record.get("udp_prefix", "shaky/udp/1"))
         """This comm's keys in the rendezvous store."""
         store, me, w = self.store, self.rank, self.num_workers
         if me == 0 and joining is None:
