@@ -104,6 +104,31 @@ def test_a_frozen_rank_is_left_out_and_taken_back_when_it_wakes(tmp_path: Path) 
         rows[rows.index(3):], rows
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
+def test_a_frozen_rank_0_holds_the_run_still_and_it_goes_on_with_everyone_when_it_wakes(tmp_path: Path) -> None:
+    """Rank 0 freezes itself (SIGSTOP) before step 25 and this test wakes it 6 s later, twice the heartbeat
+    timeout. Rank 0 hosts the control store, so nobody can beat or be seen beating meanwhile: no rank is
+    declared dead for that silence (before, the ranks declared each other dead once it woke, and the run
+    ended), every rank finishes with status 0, and the run ends with four live workers and no membership
+    change."""
+    run_dir = tmp_path / "run"
+    procs = _launch([*ARGS, "--steps", "300", "--checkpoint-every", "100", "--out", str(run_dir)], tmp_path,
+                    fault="freeze:0:25")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and Path(f"/proc/{procs[0].pid}/stat").read_text().split()[2] != "T":
+            time.sleep(0.05)
+        assert Path(f"/proc/{procs[0].pid}/stat").read_text().split()[2] == "T", "rank 0 never froze"
+        time.sleep(6.0)
+    finally:
+        procs[0].send_signal(signal.SIGCONT)
+    for rank, (code, err) in enumerate(_finish(procs, timeout=180)):
+        assert code == 0, f"rank {rank}: {err[-2000:]}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 300 and summary["live_workers"] == 4
+    assert summary["udp"]["membership_changes"] == [] and not summary["udp"].get("failures")
+
+
 def _rows_with(run_dir: Path, **values) -> list[dict]:
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -262,8 +262,15 @@ def run_stopped(env: JobEnv, rank: int, heartbeat: Heartbeat, cfg: Any, exc: Exc
     ended with the run (it is not one to take back alone: the launcher starts the run again as a whole).
     Status 3."""
     found = heartbeat.diagnose(cfg.dist_timeout_s)
-    who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
-           "rank 0, which hosts the run's store, is gone")
+    paused = heartbeat.paused_s()
+    if found is None and paused > cfg.dist.heartbeat_timeout_s:
+        # This process stood still (SIGSTOP, a stall) past the timeout, and woke to find the store gone: the run
+        # most likely ended meanwhile, which it cannot tell from rank 0's death with the store gone.
+        who = (f"rank {rank} stood still for {paused:.1f} s (SIGSTOP, a stalled machine), and meanwhile the run "
+               "ended or rank 0, which hosts its store, died")
+    else:
+        who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
+               "rank 0, which hosts the run's store, is gone")
     tell_launcher(env.run_file, resolved, cfg.dist.transport, stopped=True)
     say(f"shaky: error: {who} (rank {rank} saw: {' '.join(str(exc).split())[:100]}); "
         f"last checkpoint: {checkpoint_note(run_dir, dist_command(env), local)}")

@@ -19,6 +19,9 @@ import torch.distributed as dist
 HEARTBEAT_S = 0.25
 """How often each rank's heartbeat thread writes to its store (the rendezvous store; with live membership, the
 control store: ``shaky.membership.quorum.ControlStore``)."""
+BLIND_S = 4 * HEARTBEAT_S
+"""Looks at the others' beats further apart than this (this process, or the store's host, stood still between
+them) say nothing of who beat meanwhile: every rank's silence counts afresh from the late look."""
 HEARTBEAT_JOIN_S = 10.0
 """How long closing waits for the heartbeat thread's store call in progress (TCP's retransmissions)."""
 
@@ -73,11 +76,14 @@ class Heartbeat:
                 if self.watching:     # live membership: when each other rank's heartbeat last moved
                     now = time.monotonic()
                     # A beat seen moving now moved after the last look: its silence counts from then, so a
-                    # dead rank is found silent within the timeout of its last beat, not a look later.
-                    before = self._looked_at or now
+                    # dead rank is found silent within the timeout of its last beat, not a look later. But after
+                    # a look that came far too late (this process or the store's host stood still: a SIGSTOP, a
+                    # stall), nobody could beat meanwhile: every rank's silence counts afresh from now.
+                    blind = bool(self._looked_at) and now - self._looked_at > BLIND_S
+                    before = now if blind else self._looked_at or now
                     for r in others:
                         beat = int(store.add(f"shaky/beat/{r}", 0))
-                        if self.seen.get(r, (None,))[0] != beat:
+                        if blind or self.seen.get(r, (None,))[0] != beat:
                             self.seen[r] = (beat, before)
                     self._looked_at = now
             except RuntimeError:  # the store is gone (its host died, or the job ended)
@@ -90,10 +96,12 @@ class Heartbeat:
         self.marks.set(f"shaky/step/{self.rank}", str(step))
 
     def paused_s(self, reset: bool = False) -> float:
-        """The longest this process has lately gone without a beat, a gap still under way included: a SIGSTOP or
+        """The longest this process has lately gone without a beat, a gap still under way included (while the
+        heartbeat thread runs: one that ended, its store gone, measured its last gap when it woke): a SIGSTOP or
         a stalled machine stops the heartbeat thread too, and a pause past ``dist.heartbeat_timeout_s`` may have
         got this rank left out. ``reset``: from now on, count only later gaps."""
-        paused = max(self._longest_gap, time.monotonic() - self._last_beat)
+        running = self._thread is not None and self._thread.is_alive()   # (a thread that ended beats no more)
+        paused = max(self._longest_gap, time.monotonic() - self._last_beat if running else 0.0)
         if reset:
             self._longest_gap = 0.0
         return paused
