@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from shaky.comm.udp.sockets import bind_first_free
 from shaky.membership.heartbeat import HEARTBEAT_JOIN_S
+from shaky.membership.mail import MAIL_RECORD_BYTES, RoundMail
 
 STORE_RTO_MIN_MS = 5.0
 """TCP's minimum retransmission timeout on the control store's connections. Linux's own is 200 ms, far above
@@ -88,6 +89,14 @@ class ForgedRecord(RuntimeError):
     The rank stops rather than average it (the store, torch's TCPStore, takes writes from whoever reaches it)."""
 
 
+MAIL_LOOK_S = 0.5
+"""A round waiting by mail for a record this late asks the store, then every as long, whether a process started
+again asks for the missing rank, and whether this rank was left out."""
+SWEEP_LAG = 64
+"""Rounds kept in the store past the last one every survivor has taken in: a record that went by mail may still
+be on its way to the store (its TCP connection retransmitting) when the others are done with its round, and a
+key deleted before its append arrives would stay."""
+
 CONTROL_ROUND_TRIPS = 2
 """Round trips to rank 0's control store in a common round (:meth:`Quorum.round`): the append goes with the
 read's wait, whose answer comes when every rank's record is in, then the read."""
@@ -144,6 +153,13 @@ class Quorum:
         """The live ranks as of the last change (every survivor writes the same): a rank that wakes after the
         rounds that left it out were cleaned away learns it here."""
         self.num_workers = num_workers
+        self.mail: RoundMail | None = None
+        """Where the rounds' records also travel as datagrams (:mod:`shaky.membership.mail`), set by the control
+        plane; None: by the store alone."""
+        self.mail_rounds = 0
+        """Rounds that every live rank's record reached by mail (no store request waited for)."""
+        self.store_rounds = 0
+        """Rounds the store decided (a rank missing, one taken back, a record too large for a datagram)."""
 
     def join_key(self, rank: int) -> str:
         """Where a process started again for ``rank`` asks to be taken back."""
@@ -188,7 +204,7 @@ class Quorum:
         """Round ``seq``'s ``keys`` (this rank's to delete) are kept until every survivor has taken in the
         round; ``below``: every survivor has taken in each round before it."""
         self._swept[seq] = keys
-        done = [k for k in self._swept if k < below]
+        done = [k for k in self._swept if k < below - SWEEP_LAG]
         if done:
             self._sweeper.delete([key for k in sorted(done) for key in self._swept.pop(k)])
 
@@ -259,8 +275,22 @@ class Quorum:
         t0 = time.perf_counter()
         ranks = [self.rank, *(r for r in live if r != self.rank)]      # this rank's own key read first
         keys = [f"{key}/{r}" for r in ranks]
-        self._hold(1)       # the append goes with the multi_get's first request: no answer of its own
+        dead = [r for r in range(self.num_workers) if r not in live]
+        mail = self.mail if len(record) <= MAIL_RECORD_BYTES and not (admit and dead) else None
+        if mail is None:
+            self._hold(1)       # the append goes with the multi_get's first request: no answer of its own
+        # First into the store (no answer: nothing waits), then by mail: a record heard by mail is in the store.
         store.append(keys[0], self.entry(keys[0], _RECORD + record))
+        if mail is not None and len(ranks) > 1:
+            mail.post(seq, record, ranks[1:])
+            heard = mail.wait(seq, ranks[1:], self._mail_gives_up(store))
+            if heard is not None:   # every live rank's record: the round is the one the store holds
+                self.mail_rounds += 1
+                return RoundResult({self.rank: record, **heard}, (), keys[:1], time.perf_counter() - t0)
+        elif mail is not None:
+            self.mail_rounds += 1
+            return RoundResult({self.rank: record}, (), keys[:1], time.perf_counter() - t0)
+        self.store_rounds += 1
         missing, values = ranks[1:], None       # values: every key of the round, read (in ``ranks``' order)
         replaced: set[int] = set()      # missing ranks for which a new process asks to be taken back
         while missing:
@@ -300,7 +330,6 @@ class Quorum:
         if self.rank == included[0]:      # the lowest survivor deletes what the dead left in the round
             mine += [f"{key}/{r}" for r in live if r not in records]
         admitted: tuple[int, ...] = ()
-        dead = [r for r in range(self.num_workers) if r not in live]
         if admit and dead:    # every survivor asks, and the first answer holds: "+" and the ranks to take back
             joining = ",".join(str(r) for r in dead if store.check([self.join_key(r)]))
             agreed = self.opened(f"{key}/admit", store.compare_set(
@@ -309,6 +338,24 @@ class Quorum:
             if self.rank == included[0]:
                 mine.append(f"{key}/admit")
         return RoundResult(records, admitted, mine, time.perf_counter() - t0)
+
+    def _mail_gives_up(self, store: dist.Store) -> Callable[[list[int]], bool]:
+        """When a round waiting for records by mail goes to the store instead: a missing rank's heartbeat went
+        silent for the timeout (the store decides whether its record came first), or, looked at every
+        :data:`MAIL_LOOK_S` once a record is that late, a process started again asks for a missing rank (its
+        old one is gone) or the others left this rank out (LeftBehind: they no longer send it theirs)."""
+        started, looked = time.monotonic(), [time.monotonic()]
+
+        def give_up(missing: list[int]) -> bool:
+            if any(self._silent_s(r) >= self.timeout_s for r in missing):
+                return True
+            now = time.monotonic()
+            if now - started < MAIL_LOOK_S or now - looked[0] < MAIL_LOOK_S:
+                return False
+            looked[0] = now
+            self._check_still_live(store)
+            return bool(store.check([self.join_key(r) for r in missing]))
+        return give_up
 
     def entry(self, name: str, value: bytes) -> bytes:
         """``value`` sealed for the key ``name`` (:meth:`seal`) and framed to be appended to it: its length in

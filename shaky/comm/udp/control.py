@@ -27,6 +27,7 @@ import torch.distributed as dist
 from shaky.comm.base import Handle, MeanHandle
 from shaky.comm.gloo import DistComm, _InFlight, world_timeout
 from shaky.membership.heartbeat import HEARTBEAT_S, Heartbeat
+from shaky.membership.mail import RoundMail
 from shaky.membership.quorum import (CONTROL_ROUND_TRIPS, ControlStore, ForgedRecord, NotTakenBack, Quorum,
                                      RoundResult)
 
@@ -212,6 +213,15 @@ class QuorumControl:
         self._quorum = Quorum(heartbeat.silent_s, me, w, f"{comm.prefix}/q", timeout_s, self._store.timeout_s,
                               self._store.address, key, run_id,
                               latency_s=latency_s[0] if latency_s and me != 0 else 0.0, paused_s=heartbeat.paused_s)
+        # The rounds' records by mail too (shaky.membership.mail): a round that hears every live rank costs no
+        # TCP round trip. Its address goes where the data plane's are (the rendezvous store).
+        try:
+            self._mail = RoundMail(me, w, key, run_id.to_bytes(8, "big"), host, ports, latency_s)
+        except OSError as exc:
+            raise ValueError(f"rank {me} cannot open its control plane's UDP socket: {exc} (see dist.ports and "
+                             "dist.host)") from None
+        comm.store.set(self._mail_key(me), f"{self._mail.address[0]} {self._mail.address[1]}")
+        self._quorum.mail = self._mail
         # Progress marks too: a request a step to the rendezvous store, which torchrun's agent may host, would
         # wait out TCP's 200 ms after each lost answer (ControlStore).
         heartbeat.marks = self._quorum.store
@@ -241,6 +251,7 @@ class QuorumControl:
     def start(self, joining: bool, fingerprint: str) -> None:
         if not joining:
             dist.barrier()
+            self._learn_mail()
             return
         self._quorum.store.set(self._quorum.join_key(self._comm.rank), fingerprint)
         self._asked_at = time.monotonic()
@@ -251,7 +262,19 @@ class QuorumControl:
         for pool in self._threads:
             pool.shutdown(wait=True, cancel_futures=True)
         self._quorum.leave()
+        self._mail.close()
         self._store.close()
+
+    def _mail_key(self, rank: int) -> str:
+        return f"{self._comm.prefix}/mail/{rank}"
+
+    def _learn_mail(self) -> None:
+        """Every rank's mail address, from the rendezvous store (at the start, and when ranks are taken back)."""
+        peers = {}
+        for r in range(self._comm.num_workers):
+            host, port = self._comm.store.get(self._mail_key(r)).decode().split(" ")
+            peers[r] = (host, int(port))
+        self._mail.set_peers(peers)
 
     # ------------------------------------------------------------------ the agreement (shaky.membership.Agreed)
 
@@ -291,6 +314,7 @@ class QuorumControl:
         q.resume_at(q.seq, live)
         entry["round_s"] = round(time.perf_counter() - t0, 3)     # what handing the state over cost this rank
         self._comm.reconnect()
+        self._learn_mail()
         now, seen = time.monotonic(), self.heartbeat.seen
         for r in joiners:   # its request to join is its latest sign of life: silent from now on, if at all
             seen[r] = (seen.get(r, (None, now))[0], now)
@@ -325,6 +349,7 @@ class QuorumControl:
         self._comm.take_over(control, self._step)
         self.membership_log = control["membership_log"][:-1]
         self._comm.reconnect()
+        self._learn_mail()
         self._changed(control["live"], control["membership_log"][-1])
         return handed["train"]
 
@@ -445,6 +470,7 @@ class QuorumControl:
             except TimeoutError:    # (a round that ran across a pause of this process)
                 q.ask_if_paused(q.client())
         self._rounds.popleft()
+        self._mail.taken_below(rnd.seq + 1)
         records = result.records
         size = len(records[self._comm.rank])
         live = tuple(r for r in q.live if r in records)
@@ -513,6 +539,11 @@ class QuorumControl:
         what a step costs on a WAN)."""
         return {"membership_changes": [*(before or {}).get("membership_changes", []), *self.membership_log],
                 "control_rounds": int((before or {}).get("control_rounds", 0)) + self._quorum.seq,
+                **{name: int((before or {}).get(name, 0)) + value for name, value in (
+                    ("control_rounds_by_mail", self._quorum.mail_rounds),
+                    ("control_rounds_by_store", self._quorum.store_rounds),
+                    ("control_mail_asked_again", self._mail.asked),
+                    ("control_mail_rejected", self._mail.rejected))},
                 "store_rto_min_ms": self._quorum.store_rto_min_ms}     # this rank's (None: the kernel's 200 ms)
 
 

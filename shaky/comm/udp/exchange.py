@@ -76,7 +76,7 @@ import torch
 from shaky.comm import rps
 from shaky.comm.udp.sockets import (_CMSG_SPACE, _MSG_TRUNC, _RECV_BUFFER, _SO_RCVBUFFORCE, _SO_SNDBUFFORCE,
                                     _SOL_UDP, _UDP_GRO, _UDP_SEGMENT, MAX_DATAGRAM_BYTES, MAX_GSO_SEGMENTS,
-                                    RECV_BATCH, _batches, _DelayLine, _has_gso, _resolve, _set_buffer,
+                                    RECV_BATCH, _batches, DelayLine, _has_gso, _resolve, _set_buffer,
                                     bind_first_free)
 from shaky.comm import quant as _quant
 from shaky.comm.udp.wire import (DTYPE_CODES, FINAL_DATAGRAMS, FLAG_FINAL, FLAG_REPEAT, HEADER, KEY_BYTES, MAGIC,
@@ -337,7 +337,7 @@ class UdpExchange:
             self.sock.close()
             raise
         self._latency = delays
-        self._line = _DelayLine(self.sock) if delays is not None else None
+        self._line = DelayLine(self.sock) if delays is not None else None
         if self._line is not None:
             self._gso = False       # each datagram is held on its own
         self.address: tuple[str, int] = self.sock.getsockname()[:2]

@@ -88,7 +88,7 @@ def _batches(count: int, most: int) -> list[tuple[int, int, bool]]:
     return out + [(body, count - body, True)] if count > body else out
 
 
-class _DelayLine:
+class DelayLine:
     """Latency emulation: each datagram handed over leaves its socket ``delay_s`` later, from a thread.
 
     Datagrams with the same delay leave in the order they were handed over, so a sender's stream to one
