@@ -7,6 +7,7 @@ loopback drops packets at random (an iptables rule), one RPS round and a whole t
     .venv/bin/python benchmarks/transport.py --from-json runs/transport-rounds.json runs/transport-train.json \
         --plot docs/transport.png                           # print and plot again, measure nothing
     .venv/bin/python benchmarks/transport.py --keep-gso --part rounds --losses 0   # only the batching-on rows
+    .venv/bin/python benchmarks/transport.py --part train --every-packet --losses 0 0.05 0.1   # TCP dropped too
 
 Needs root, unshare, ip and iptables; without them it prints one line saying what is missing and exits
 with status 2. It re-executes itself under ``unshare --net``: inside, only a loopback exists, with a
@@ -14,7 +15,8 @@ with status 2. It re-executes itself under ``unshare --net``: inside, only a loo
 
     iptables -A INPUT -i lo -p PROTO -m statistic --mode random --probability P -j DROP
 
-drops the data plane under test: PROTO tcp for the gloo rows, udp for the udp rows. No traffic leaves it.
+drops the data plane under test: PROTO tcp for the gloo rows, udp for the udp rows (``--every-packet``: all, in
+the train part, as a real lossy network drops the control plane's TCP too). No traffic leaves it.
 ``gso_max_segs 1`` makes the kernel cut every GSO batch (UDP's 44-datagram sends, TCP's 64 KB segments) into
 1500-byte packets before the device, so that the rule drops single packets as a real network would, not
 whole batches; it also takes the batching away, which makes both transports slower than on a NIC that
@@ -162,7 +164,7 @@ def udp_gbit_s(n: int, seconds: float | None) -> float | None:
 
 
 def set_loss(proto: str, p: float) -> None:
-    """Drops packets of ``proto`` (tcp or udp) on the loopback with probability ``p``; p = 0: no rule."""
+    """Drops packets of ``proto`` (tcp, udp or all) on the loopback with probability ``p``; p = 0: no rule."""
     _sh("iptables", "-F", "INPUT")
     if p > 0:
         _sh("iptables", "-A", "INPUT", "-i", "lo", "-p", proto, "-m", "statistic", "--mode", "random",
@@ -407,9 +409,10 @@ def _last_step(run_dir: Path) -> int | None:
 
 
 def run_training(losses: list[float], steps: int, timeout_s: float,
-                 save: Callable[[list[dict[str, Any]]], None], runs: list[str]) -> None:
+                 save: Callable[[list[dict[str, Any]]], None], runs: list[str], every_packet: bool = False) -> None:
     """One torchrun per (transport, loss), each in its own pid namespace (a timeout kills all of it);
-    ``save`` gets the rows so far after each."""
+    ``save`` gets the rows so far after each. ``every_packet``: the rule drops every protocol's packets (a real
+    lossy network's), not only the run's data plane's."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     out: list[dict[str, Any]] = []
     for p in losses:
@@ -421,7 +424,7 @@ def run_training(losses: list[float], steps: int, timeout_s: float,
                        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "shaky", "train",
                        "--backend", "dist", *flags, "--workers", str(WORLD), "--steps", str(steps),
                        "--out", str(run_dir), "--quiet"]
-                set_loss(proto, p)
+                set_loss("all" if every_packet else proto, p)
                 with open(Path(tmp) / "log", "w+") as log:
                     t0 = time.perf_counter()
                     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -433,7 +436,8 @@ def run_training(losses: list[float], steps: int, timeout_s: float,
                         rc = None
                     wall = time.perf_counter() - t0
                     set_loss(proto, 0.0)
-                    record: dict[str, Any] = {"run": name, "loss": p, "steps": steps, "wall_s": wall}
+                    record: dict[str, Any] = {"run": name, "loss": p, "steps": steps, "wall_s": wall,
+                                              "dropped": "all" if every_packet else proto}
                     if rc is None:
                         record.update(status="timeout", last_step=_last_step(run_dir))
                     elif rc != 0:
@@ -543,7 +547,9 @@ def print_training(rows: list[dict[str, Any]]) -> None:
             line += [f"{r['status']} at {r['wall_s']:.0f}{reached}", "-", "-", "-", "-", "-", "-"]
         table.append(line)
     _table(["run", "loss", "wall s", "x0", "train s", "x0", "test accuracy", "points", "udp not used"], table)
-    print(f"\n{rows[0]['steps']} steps; wall s: the whole torchrun command (start-up included); train s: the training "
+    dropped = sorted({r.get("dropped", "the run's own protocol") for r in rows})
+    print(f"\npackets dropped: {', '.join(dropped)}")
+    print(f"{rows[0]['steps']} steps; wall s: the whole torchrun command (start-up included); train s: the training "
           "loop (summary.json's wall_time_s);\nx0: over the same run at loss 0; points: test accuracy minus the same "
           "run's at loss 0, in percentage points;\nudp not used: summary.json's observed_loss (1 - datagrams used / "
           "expected)")
@@ -668,6 +674,8 @@ def main() -> int:
     parser.add_argument("--runs", nargs="+", choices=tuple(RUNS), default=list(RUNS),
                         help="training runs to make (default: all)")
     parser.add_argument("--train-timeout", type=float, help="seconds one training run may take (default 600)")
+    parser.add_argument("--every-packet", action="store_true",
+                        help="train part: drop every protocol's packets (TCP too), not only the run's data plane's")
     parser.add_argument("--keep-gso", action="store_true",
                         help="leave lo's GSO on throughout: the rounds part measures only its batching-on rows "
                              "(loss 0); a training run's rule then drops whole batches")
@@ -770,7 +778,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             run_rounds([int(s) for s in args.sizes], args.losses, args.repeats, args.timeout, keeper(part), dgram)
         else:
             part["meta"].update(steps=args.steps, timeout_s=args.train_timeout)
-            run_training(args.losses, args.steps, args.train_timeout, keeper(part), args.runs)
+            run_training(args.losses, args.steps, args.train_timeout, keeper(part), args.runs, args.every_packet)
         done(part)
     return data
 

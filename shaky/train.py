@@ -137,7 +137,8 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     members = members or Scheduled(schedule_of(cfg))
     seen = observer(comm)
     clock = Clock(setup.network, setup.compute_ms, cfg.network.retransmit_timeout_ms,
-                  exchange_compute_ms=cfg.network.exchange_compute_ms, control_round_trips=seen.control_round_trips)
+                  exchange_compute_ms=cfg.network.exchange_compute_ms,
+                  control_round_s=seen.control_round_seconds(setup.network.latency_ms))
     masks = _Masks(MaskLog(cfg.num_workers, cfg.steps), seen, observing=_observes_losses(cfg))
     last: dict[str, Any] | None = None     # a resumed run's last evaluation
     if welcome is not None:

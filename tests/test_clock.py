@@ -177,25 +177,23 @@ def test_an_exchanges_own_compute_is_never_hidden() -> None:
 
 
 def test_a_control_round_follows_each_exchange_with_latency_only() -> None:
-    """A transport with a control round at rank 0 (udp: two round trips) makes each exchange arrive that much
-    later, the slowest rank's round: the others' requests reach rank 0 first, then the answer goes back, then
-    one more round trip. The round holds no port, so the next exchange is not held back by it."""
-    from shaky.network.clock import control_round_seconds  # noqa: PLC0415
+    """A transport with a control round (udp: every rank's record straight to every other, by mail) makes each
+    exchange arrive that much later: the slowest link's one-way latency, as every record crosses one link once.
+    The round holds no port, so the next exchange is not held back by it."""
+    from shaky.network.clock import mail_round_seconds  # noqa: PLC0415
 
     latency = _matrix(3, 10.0, e2_0=30.0, e0_1=20.0)        # rank 2 -> 0 takes 30 ms, 0 -> 1 takes 20 ms
-    # rank 1: 30 (the last request in) + 20 back + 10 + 20; rank 2: 30 + 10 + 30 + 10; rank 0: 30 + 0 + 0 + 0
-    assert control_round_seconds(latency, 2) == pytest.approx(0.080)
-    assert control_round_seconds(latency, 1) == pytest.approx(0.050)
-    assert control_round_seconds(latency, 0) == 0.0 and control_round_seconds(25.0, 2) == pytest.approx(0.1)
+    assert mail_round_seconds(latency) == pytest.approx(0.030)
+    assert mail_round_seconds(25.0) == pytest.approx(0.025) and mail_round_seconds(_matrix(1, 0.0)) == 0.0
     params = torch.zeros(3, 1500)
     phases = block_exchange_traffic(params, 3, _links(3), reliable=False)
     plain = _clock(3, compute_ms=1.0, latency_ms=latency, bandwidth_mbps=8.0)
     rounds = Clock(NetworkModel(NetworkConfig(latency_ms=latency, bandwidth_mbps=8.0), 3, seed=0), compute_ms=1.0,
-                   retransmit_timeout_ms=200.0, control_round_trips=2)
-    assert rounds.control_round_s == pytest.approx(0.080) and plain.control_round_s == 0.0
+                   retransmit_timeout_ms=200.0, control_round_s=mail_round_seconds(latency))
+    assert rounds.control_round_s == pytest.approx(0.030) and plain.control_round_s == 0.0
     exchange = plain.exchange_seconds(phases)
     assert plain.advance(phases) == pytest.approx(0.001 + exchange)
-    assert rounds.advance(phases) == pytest.approx(0.001 + exchange + 0.080)
+    assert rounds.advance(phases) == pytest.approx(0.001 + exchange + 0.030)
     # Delayed by 4, an exchange launched every step: each one's round runs while the next three steps compute
     # and their exchanges travel, so four steps take one step's compute, one exchange and its round.
     for clock in (plain, rounds):

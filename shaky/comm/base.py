@@ -79,10 +79,11 @@ class Observed(Protocol):
     """A transport whose losses are observed, not drawn (udp): what really arrived, and what it counted. The
     simulator and gloo are not one: their drawn masks are the ones that applied (:data:`DRAWN` stands in)."""
 
-    control_round_trips: int
-    """Round trips to a control store that rank 0 hosts, which every exchange waits for after its messages: 2
-    on the udp transport with live membership (its masks' agreement), 0 without. The simulated clock counts
-    them (``shaky.network.clock.control_round_seconds``)."""
+    def control_round_seconds(self, latency_ms: Any) -> float:
+        """Seconds of the control round that every exchange waits for after its messages, under the network's
+        one-way latencies (ms, a number or [W, W]): on the udp transport with live membership a round of records
+        by mail (``shaky.network.clock.mail_round_seconds``), 0 without one. The simulated clock adds it."""
+        ...
 
     def on_step(self, step: int) -> None:
         """A step starts: the exchanges launched from now on are this step's."""
@@ -103,7 +104,8 @@ class _Drawn:
     """:class:`Observed` for a backend whose masks are drawn (the simulator, gloo): nothing observed, nothing
     counted, no control round."""
 
-    control_round_trips = 0
+    def control_round_seconds(self, latency_ms: Any) -> float:
+        return 0.0
 
     def on_step(self, step: int) -> None:
         pass

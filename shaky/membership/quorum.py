@@ -97,11 +97,6 @@ SWEEP_LAG = 64
 be on its way to the store (its TCP connection retransmitting) when the others are done with its round, and a
 key deleted before its append arrives would stay."""
 
-CONTROL_ROUND_TRIPS = 2
-"""Round trips to rank 0's control store in a common round (:meth:`Quorum.round`): the append goes with the
-read's wait, whose answer comes when every rank's record is in, then the read."""
-
-
 class Quorum:
     """The udp transport's control plane when ranks may die: rounds of small records in the control store.
 

@@ -143,16 +143,17 @@ class Clock:
     """Accumulates simulated seconds from compute time and each step's exchanges."""
 
     def __init__(self, network: NetworkModel, compute_ms: float, retransmit_timeout_ms: float, *,
-                 exchange_compute_ms: float = 0.0, control_round_trips: int = 0) -> None:
+                 exchange_compute_ms: float = 0.0, control_round_s: float = 0.0) -> None:
         self.latency_s = network.latency_ms / 1e3
         self.bytes_per_s = network.bandwidth_mbps * 1e6 / 8
         self.compute_s = compute_ms / 1e3
         self.exchange_compute_s = exchange_compute_ms / 1e3
         """Compute that launching an exchange adds to its step (a software data plane's CPU)."""
         self.rto_s = retransmit_timeout_ms / 1e3
-        self.control_round_s = control_round_seconds(network.latency_ms, control_round_trips)
+        self.control_round_s = control_round_s
         """What each exchange waits after its messages for the transport's control round (the comm's
-        ``control_round_trips``; 0 where it has none): latency only, the ports stay free for the next exchange."""
+        ``control_round_seconds``; 0 where it has none): latency only, the ports stay free for the next
+        exchange."""
         self.state = ClockState()
         self.last_wait_s = 0.0
         """Seconds the last step waited, past its compute, for the exchanges due at its end."""
@@ -264,22 +265,15 @@ class Clock:
         return end
 
 
-def control_round_seconds(latency_ms: np.ndarray | float, round_trips: int) -> float:
-    """Seconds of a control round of ``round_trips`` round trips between every rank and a store that rank 0
-    hosts, under the network's one-way latencies (ms, a number or [W, W]: ``[r, 0]`` from rank r to rank 0).
-
-    Every rank sends its first request at once, and the store answers it when every rank's has arrived; the
-    other round trips follow. Rank r's round: max over s of ``L[s, 0]``, then ``L[0, r]`` for the answer, then
-    ``round_trips - 1`` times ``L[r, 0] + L[0, r]``; the round is the slowest rank's. The udp transport's is two
-    round trips (an append with the read right behind it, the read's wait, then the read itself).
-    """
-    if round_trips <= 0:
-        return 0.0
+def mail_round_seconds(latency_ms: np.ndarray | float) -> float:
+    """Seconds of a control round whose records go straight from every rank to every other (the udp transport's
+    rounds by mail, ``shaky.membership.mail``): every rank sends its record at once, and the round ends when the
+    last one arrives, the slowest link's one-way latency (ms, a number or [W, W])."""
     lat = np.asarray(latency_ms, dtype=np.float64) / 1e3
     if lat.ndim == 0:
-        return float(lat) * 2 * round_trips
-    to_store, back = lat[:, 0], lat[0, :]
-    return float((to_store.max() + back + (round_trips - 1) * (to_store + back)).max())
+        return float(lat)
+    off = lat[~np.eye(len(lat), dtype=bool)]
+    return float(off.max()) if off.size else 0.0
 
 
 def scalability(clock: Clock, exchange_s: float | None, *, period: int = 1, delay: int = 1,

@@ -293,10 +293,9 @@ class UdpDistComm:
         run: the control plane's."""
         return self.control.agreement
 
-    @property
-    def control_round_trips(self) -> int:
-        """Round trips to a control store that every exchange waits for after its datagrams (``Observed``)."""
-        return self.control.round_trips
+    def control_round_seconds(self, latency_ms: Any) -> float:
+        """Seconds of the control round every exchange waits for after its datagrams (``Observed``)."""
+        return self.control.round_seconds(latency_ms)
 
     @property
     def deadline_s(self) -> float:

@@ -28,7 +28,8 @@ from shaky.comm.base import Handle, MeanHandle
 from shaky.comm.gloo import DistComm, _InFlight, world_timeout
 from shaky.membership.heartbeat import HEARTBEAT_S, Heartbeat
 from shaky.membership.mail import RoundMail
-from shaky.membership.quorum import (CONTROL_ROUND_TRIPS, ControlStore, ForgedRecord, NotTakenBack, Quorum,
+from shaky.network.clock import mail_round_seconds
+from shaky.membership.quorum import (ControlStore, ForgedRecord, NotTakenBack, Quorum,
                                      RoundResult)
 
 if TYPE_CHECKING:
@@ -38,9 +39,10 @@ if TYPE_CHECKING:
 class ControlPlane(Protocol):
     """What a :class:`~shaky.comm.udp.comm.UdpDistComm` sends on its control plane."""
 
-    round_trips: int
-    """Round trips to a store that every exchange waits for after its datagrams (the simulated clock counts
-    them): 0 on gloo, :data:`~shaky.membership.quorum.CONTROL_ROUND_TRIPS` with a quorum."""
+    def round_seconds(self, latency_ms: Any) -> float:
+        """Seconds of the round that every exchange waits for after its datagrams, under the network's one-way
+        latencies (the simulated clock adds it): 0 on gloo (not modelled), a round by mail with a quorum."""
+        ...
     agreement: Any
     """What the survivors agree on (:class:`shaky.membership.Agreement`), or None where a dead rank stops the run."""
 
@@ -81,8 +83,10 @@ class ControlPlane(Protocol):
 class GlooControl:
     """The control plane on gloo's collectives (the rendezvous's process group)."""
 
-    round_trips = 0
     agreement = None
+
+    def round_seconds(self, latency_ms: Any) -> float:
+        return 0.0
 
     def __init__(self, comm: UdpDistComm) -> None:
         self._comm = comm
@@ -225,7 +229,6 @@ class QuorumControl:
         # Progress marks too: a request a step to the rendezvous store, which torchrun's agent may host, would
         # wait out TCP's 200 ms after each lost answer (ControlStore).
         heartbeat.marks = self._quorum.store
-        self.round_trips = CONTROL_ROUND_TRIPS
         self.agreement = self
         for done in [pool.submit(self._quorum.connect) for pool in self._threads]:
             done.result()       # every thread that runs rounds, connected before the first
@@ -255,6 +258,11 @@ class QuorumControl:
             return
         self._quorum.store.set(self._quorum.join_key(self._comm.rank), fingerprint)
         self._asked_at = time.monotonic()
+
+    def round_seconds(self, latency_ms: Any) -> float:
+        """A round by mail: every rank's record straight to every other (one that goes to the store, when a
+        rank is missing, waits for the heartbeat timeout anyway)."""
+        return mail_round_seconds(latency_ms)
 
     def close(self, close_data: Callable[[], None]) -> None:
         self.heartbeat.close()
