@@ -367,6 +367,8 @@ class ModelAverager:
             return
         self._closed = True
         try:
+            if self._agreed is not None:     # udp: every live rank is done with the last round first
+                self.comm.barrier()
             self.comm.close()
         finally:
             if self._heartbeat is not None:

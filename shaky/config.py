@@ -424,7 +424,8 @@ class DistConfig:
     variable SHAKY_KEY, else rank 0 makes a key for this run and hands it out through the rendezvous store."""
     ports: str = UDP_PORTS
     """udp: the UDP ports a rank may bind, "FIRST-LAST" (or one port); each rank binds the first free one. With
-    live membership rank 0 also listens on the first free TCP port of the range (the control plane's store)."""
+    live membership rank 0 also listens on the first free TCP port of the range (the control plane's store), and
+    every rank binds the next free UDP port for its control rounds' datagrams."""
     host: str = ""
     """udp: this rank's IPv4 address as the others reach it (empty: the address this machine uses to reach
     MASTER_ADDR); datagrams are accepted only from the other ranks' addresses."""

@@ -258,20 +258,23 @@ class Quorum:
         except RuntimeError:    # the store is gone, or a rank died after the last round: nothing to wait for
             pass
 
-    def round(self, seq: int, record: bytes, live: Sequence[int], admit: bool) -> RoundResult:
+    def round(self, seq: int, record: bytes, live: Sequence[int], admit: bool, *,
+              by_store: bool = False) -> RoundResult:
         """Writes this rank's ``record`` in round ``seq`` (:meth:`take_seq`) and returns the round's records, by
         rank: those of the ``live`` ranks (as of the last round taken in when it was submitted) that were not
         declared dead in it. Rounds may run at once, in different threads; each of them agrees on its own
         records, and the comm takes them in in order (a rank is live after a round if it was before and its
         record is in). ``admit``: the round may take in ranks started again (the first round submitted in
-        each step)."""
+        each step). The records travel by mail too (:attr:`mail`), unless ``by_store``, a record is too large for
+        a datagram or the round may take ranks back: a round heard from every live rank by mail is done without
+        waiting for the store."""
         store, key = self.client(), f"{self.prefix}/{seq}"
         self.ask_if_paused(store)
         t0 = time.perf_counter()
         ranks = [self.rank, *(r for r in live if r != self.rank)]      # this rank's own key read first
         keys = [f"{key}/{r}" for r in ranks]
         dead = [r for r in range(self.num_workers) if r not in live]
-        mail = self.mail if len(record) <= MAIL_RECORD_BYTES and not (admit and dead) else None
+        mail = self.mail if not by_store and len(record) <= MAIL_RECORD_BYTES and not (admit and dead) else None
         if mail is None:
             self._hold(1)       # the append goes with the multi_get's first request: no answer of its own
         # First into the store (no answer: nothing waits), then by mail: a record heard by mail is in the store.

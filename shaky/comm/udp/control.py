@@ -423,7 +423,8 @@ class QuorumControl:
         stand_in = torch.stack(list(got.values())).mean(dim=0) if fill is None else torch.full_like(x, fill)
         return [got.get(r, stand_in) for r in range(w)]
 
-    def _submit(self, own: Callable[[], tuple[bytes, Any]], thread: int | None = None) -> _ControlRound:
+    def _submit(self, own: Callable[[], tuple[bytes, Any]], thread: int | None = None, *,
+                by_store: bool = False) -> _ControlRound:
         """A control round, submitted: numbered, with the deferred means that ride in it (their values follow
         this rank's part of the record, in the order they were started: the same on every rank, which starts
         them at the same points) and whether it may take ranks back, all fixed here, on the training loop's
@@ -442,7 +443,7 @@ class QuorumControl:
 
         def run() -> tuple[RoundResult, Any]:
             mine, extra = own()
-            return q.round(rnd.seq, head + mine + tail, live, admit), extra
+            return q.round(rnd.seq, head + mine + tail, live, admit, by_store=by_store), extra
 
         self._rounds.append(rnd)
         if thread is None:
@@ -539,8 +540,11 @@ class QuorumControl:
         return torch.cat(self.all_gather(x, fill=None))
 
     def barrier(self) -> None:
-        """Every live rank got here (a quorum round)."""
-        self.all_gather(torch.empty(0, dtype=torch.uint8), fill=0)
+        """Every live rank got here: a quorum round that the store decides. It ends a run (``shaky train``, an
+        averager's ``close``): a rank past it closes its mail, so a record of it lost on the way could not be
+        asked for again, and the store keeps every record until every live rank is done with it."""
+        self._drain()   # the rounds in flight come first
+        self._take(self._submit(lambda: (b"", None), by_store=True))
 
     def stats(self, before: dict[str, Any] | None) -> dict[str, Any]:
         """The membership changes, and the control rounds (each a wait on the control store, two round trips:
