@@ -46,11 +46,11 @@ def _torchrun(out: Path, *args: str, workers: int = WORKERS, resume: bool = Fals
 
 
 def _in_namespace(command: list[str], *, loss: float = 0.0, also: list[list[str]] = (), cwd: Path,
-                  timeout: float = 240) -> subprocess.CompletedProcess:
+                  timeout: float = 240, proto: str = "udp") -> subprocess.CompletedProcess:
     why = _real_loss_unavailable()
     if why:
         pytest.skip(why)
-    wrapper = ["unshare", "--net", sys.executable, str(TESTS / "netns.py"), "--loss", str(loss),
+    wrapper = ["unshare", "--net", sys.executable, str(TESTS / "netns.py"), "--loss", str(loss), "--proto", proto,
                *[arg for cmd in also for arg in ("--also", json.dumps(cmd))], "--", *command]
     return subprocess.run(wrapper, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -112,6 +112,29 @@ def test_rounded_values_over_real_loss_replay_in_the_simulator(value_dtype: str,
     assert read_summary(replay)["bytes_sent"] == runs[value_dtype]["bytes_sent"]
     assert runs[value_dtype]["bytes_sent"] < 0.8 * runs[""]["bytes_sent"], runs
     assert runs[value_dtype]["final_test_accuracy"] > 0.5
+
+
+def test_with_every_packet_lost_a_run_finishes_and_replays_in_the_simulator(tmp_path: Path) -> None:
+    """5% of every packet dropped, TCP included (the rendezvous, gloo's setup, the control store, the heartbeats),
+    as a real lossy network drops them: the run finishes on every rank, its control rounds went by mail (no TCP
+    round trip on the training path), and the simulator replaying its trace ends at the same parameters (to
+    1e-12, in float64) with the same losses."""
+    out = tmp_path / "udp"
+    done = _in_namespace(_torchrun(out, "--strategy", "rps", "--steps", "30", "--eval-every", "15", *FLOAT64),
+                         loss=0.05, proto="all", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = read_summary(out)
+    udp = summary["udp"]
+    assert summary["steps"] == 30 and summary["messages_dropped"] > 0, udp
+    assert udp["control_rounds_by_mail"] >= 30 > udp["control_rounds_by_store"], udp
+    replay = tmp_path / "replay"
+    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(out / "config.toml"),
+                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(out), "--quiet",
+                          "--out", str(replay)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(out)["params"],
+                               rtol=0, atol=REPLAY_ATOL)
+    assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
 
 
 def test_a_udp_run_with_a_failure_replays_in_the_simulator(tmp_path: Path) -> None:
