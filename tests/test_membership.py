@@ -445,6 +445,83 @@ def test_a_ranks_control_rounds_run_at_once_in_threads_and_each_agrees_on_its_ow
     assert len({id(c) for c in clients}) == 3
 
 
+def test_rounds_go_by_mail_ask_again_for_a_lost_record_reject_strangers_and_fall_back_to_the_store() -> None:
+    """Two ranks' Quorums with mail (shaky.membership.mail): a round's records come by mail, and the round
+    waits for no store request; a record whose datagrams were all lost is asked for again and comes; a datagram
+    from outside the run (a stranger's address, a forged tag) is rejected and never used; and a rank whose mail
+    cannot get through (the other holds a wrong address for it) still ends its rounds, through the store, once
+    it has waited the heartbeat timeout, with the same records on both ranks."""
+    import socket  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+    from datetime import timedelta  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from shaky.membership import mail as mail_module  # noqa: PLC0415
+    from shaky.membership.mail import RoundMail  # noqa: PLC0415
+    from shaky.membership.quorum import Quorum  # noqa: PLC0415
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    key, run_id = b"k" * 32, 7
+    quorums = [Quorum(lambda r: 0.0, rank, 2, "mail", 1.0, 10.0, ("127.0.0.1", server.port), key, run_id)
+               for rank in (0, 1)]
+    mails = [RoundMail(rank, 2, key, run_id.to_bytes(8, "big"), "127.0.0.1", range(32000, 32100))
+             for rank in (0, 1)]
+    addresses = {rank: m.address for rank, m in enumerate(mails)}
+    for q, m in zip(quorums, mails):
+        m.set_peers(addresses)
+        q.mail = m
+
+    def both(seq: int, records: tuple[bytes, bytes]) -> list[dict[int, bytes]]:
+        got: list[dict[int, bytes]] = [{}, {}]
+
+        def run(rank: int) -> None:
+            got[rank] = quorums[rank].round(seq, records[rank], (0, 1), admit=False).records
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        return got
+
+    try:
+        assert both(0, (b"zero", b"one")) == [{0: b"zero", 1: b"one"}] * 2
+        assert [q.mail_rounds for q in quorums] == [1, 1] and [q.store_rounds for q in quorums] == [0, 0]
+
+        # Rank 1's record of round 1 is lost on its way (every copy): rank 0 asks again, and it comes.
+        real_send = mails[1]._send
+        dropped: list[int] = []
+        mails[1]._send = lambda data, r: dropped.append(r) if not dropped or len(dropped) < 2 else real_send(data, r)
+        assert both(1, (b"a", b"b")) == [{0: b"a", 1: b"b"}] * 2
+        mails[1]._send = real_send
+        assert dropped and mails[0].asked >= 1 and quorums[0].mail_rounds == 2
+
+        # Strangers: a datagram from another socket, and one from nowhere with a tag under another key.
+        stranger = RoundMail(1, 2, b"x" * 32, run_id.to_bytes(8, "big"), "127.0.0.1", range(32000, 32100))
+        stranger.set_peers(addresses)
+        stranger.post(2, b"forged", [0])
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as raw:
+            raw.sendto(b"noise" * 10, addresses[0])
+        deadline = time.monotonic() + 5
+        while mails[0].rejected < 1 + mail_module.COPIES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stranger.close()
+        assert mails[0].rejected == 1 + mail_module.COPIES
+        assert both(2, (b"c", b"d")) == [{0: b"c", 1: b"d"}] * 2      # the forged record of round 2 never used
+
+        # Rank 0 holds a wrong address for rank 1 (its datagrams are rejected, its asks go nowhere): both end
+        # round 3 through the store after the heartbeat timeout (1 s here), with the same records.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as nowhere:
+            nowhere.bind(("127.0.0.1", 0))
+            mails[0].set_peers({1: nowhere.getsockname()})
+            t0 = time.monotonic()
+            assert both(3, (b"e", b"f")) == [{0: b"e", 1: b"f"}] * 2
+        assert time.monotonic() - t0 >= 1.0 and quorums[0].store_rounds == 1
+    finally:
+        for m in mails:
+            m.close()
+
+
 def test_the_store_sockets_get_a_minimum_retransmission_timeout_of_milliseconds_and_no_other_socket_does() -> None:
     """shorten_store_retransmits sets TCP_RTO_MIN_US on the store's listening socket, on the connections it
     accepted, and on its clients' (found by port), and on no other socket of the process: not on a TCP

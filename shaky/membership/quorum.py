@@ -339,15 +339,17 @@ class Quorum:
 
     def _mail_gives_up(self, store: dist.Store) -> Callable[[list[int]], bool]:
         """When a round waiting for records by mail goes to the store instead: a missing rank's heartbeat went
-        silent for the timeout (the store decides whether its record came first), or, looked at every
-        :data:`MAIL_LOOK_S` once a record is that late, a process started again asks for a missing rank (its
-        old one is gone) or the others left this rank out (LeftBehind: they no longer send it theirs)."""
+        silent for the timeout (the store decides whether its record came first), the round waited that long
+        (a live rank whose mail does not get through, a port a firewall closes: the store has its record), or,
+        looked at every :data:`MAIL_LOOK_S` once a record is that late, a process started again asks for a
+        missing rank (its old one is gone) or the others left this rank out (LeftBehind: they no longer send it
+        theirs)."""
         started, looked = time.monotonic(), [time.monotonic()]
 
         def give_up(missing: list[int]) -> bool:
-            if any(self._silent_s(r) >= self.timeout_s for r in missing):
-                return True
             now = time.monotonic()
+            if now - started >= self.timeout_s or any(self._silent_s(r) >= self.timeout_s for r in missing):
+                return True     # (a live rank unheard that long: its mail does not get through; the store has it)
             if now - started < MAIL_LOOK_S or now - looked[0] < MAIL_LOOK_S:
                 return False
             looked[0] = now

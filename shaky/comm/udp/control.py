@@ -225,6 +225,9 @@ class QuorumControl:
             raise ValueError(f"rank {me} cannot open its control plane's UDP socket: {exc} (see dist.ports and "
                              "dist.host)") from None
         comm.store.set(self._mail_key(me), f"{self._mail.address[0]} {self._mail.address[1]}")
+        # Read back on the same connection (the store serves it in order): the address is in before this rank
+        # asks to be taken back, in another store, so that the survivors never learn a dead process's instead.
+        comm.store.get(self._mail_key(me))
         self._quorum.mail = self._mail
         # Progress marks too: a request a step to the rendezvous store, which torchrun's agent may host, would
         # wait out TCP's 200 ms after each lost answer (ControlStore).
