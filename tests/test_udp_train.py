@@ -56,6 +56,19 @@ def _in_namespace(command: list[str], *, loss: float = 0.0, also: list[list[str]
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def _replayed(out: Path, tmp_path: Path, *extra: str) -> Path:
+    """The simulator replaying run ``out``'s trace (on gloo, in ``tmp_path/replay``): it ends at the run's
+    parameters (to REPLAY_ATOL, in float64). Returns the replay's directory."""
+    replay = tmp_path / "replay"
+    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(out / "config.toml"),
+                          "--backend", "sim", "--transport", "gloo", *extra, "--replay-trace", str(out), "--quiet",
+                          "--out", str(replay)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(out)["params"],
+                               rtol=0, atol=REPLAY_ATOL)
+    return replay
+
+
 def test_a_real_lossy_udp_run_replays_in_the_simulator(tmp_path: Path) -> None:
     """10% of the datagrams really lost, and rank 1 is told to stop (SIGTERM, as a preemption) before step 30:
     every rank stops after that step with a checkpoint, the run is resumed and finishes, its trace holds what
@@ -102,13 +115,7 @@ def test_rounded_values_over_real_loss_replay_in_the_simulator(value_dtype: str,
         assert done.returncode == 0, done.stderr[-3000:]
         runs[kind] = read_summary(out)
     out = tmp_path / value_dtype
-    replay = tmp_path / "replay"
-    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(out / "config.toml"),
-                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(out), "--quiet",
-                          "--out", str(replay)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert sim.returncode == 0, sim.stderr[-2000:]
-    torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(out)["params"], rtol=0,
-                               atol=REPLAY_ATOL)
+    replay = _replayed(out, tmp_path)
     assert read_summary(replay)["bytes_sent"] == runs[value_dtype]["bytes_sent"]
     assert runs[value_dtype]["bytes_sent"] < 0.8 * runs[""]["bytes_sent"], runs
     assert runs[value_dtype]["final_test_accuracy"] > 0.5
@@ -127,13 +134,7 @@ def test_with_every_packet_lost_a_run_finishes_and_replays_in_the_simulator(tmp_
     udp = summary["udp"]
     assert summary["steps"] == 30 and summary["messages_dropped"] > 0, udp
     assert udp["control_rounds_by_mail"] >= 30 > udp["control_rounds_by_store"], udp
-    replay = tmp_path / "replay"
-    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(out / "config.toml"),
-                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(out), "--quiet",
-                          "--out", str(replay)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert sim.returncode == 0, sim.stderr[-2000:]
-    torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(out)["params"],
-                               rtol=0, atol=REPLAY_ATOL)
+    replay = _replayed(out, tmp_path)
     assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
 
 
@@ -158,13 +159,7 @@ def test_a_udp_run_with_a_failure_replays_in_the_simulator(tmp_path: Path) -> No
     to_rank_2 = up[8:20][:, :, [0, 3]]                          # what the live senders' blocks 1 and 2 did
     assert not to_rank_2[..., 1].all() and (to_rank_2[..., 1] != to_rank_2[..., 2]).any()
 
-    replay = tmp_path / "replay"
-    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(out / "config.toml"),
-                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(out), "--quiet",
-                          "--out", str(replay)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert sim.returncode == 0, sim.stderr[-2000:]
-    torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(out)["params"],
-                               rtol=0, atol=REPLAY_ATOL)
+    replay = _replayed(out, tmp_path)
     assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
 
 
@@ -187,14 +182,7 @@ def test_a_delayed_exchange_in_the_background_replays_in_the_simulator(tmp_path:
     assert summary["messages_dropped"] == udp["datagrams_sent"] - udp["datagrams_received"], (summary, udp)
     assert summary["wait_s"] >= 0 and summary["sim_wait_s"] > 0, summary
 
-    replay = tmp_path / "replay"
-    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(out / "config.toml"),
-                          "--backend", "sim", "--transport", "gloo", "--set", "dist.emulate_latency=false",
-                          "--replay-trace", str(out), "--quiet", "--out", str(replay)],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert sim.returncode == 0, sim.stderr[-2000:]
-    torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(out)["params"],
-                               rtol=0, atol=REPLAY_ATOL)
+    replay = _replayed(out, tmp_path, "--set", "dist.emulate_latency=false")
     assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
     assert read_summary(replay)["wait_s"] is None
     # The run's simulated clock counts each exchange's control round (by mail: one one-way latency, 20 ms here),
