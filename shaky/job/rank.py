@@ -213,6 +213,10 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
             say_ended(comm.store, keys.ended)
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
         comm.barrier()
+    except Stop as exc:     # a signal: every rank stopped after the same step, and rank 0 wrote the checkpoint
+        if str(exc):    # said before the teardown: torchrun ends every rank once the first one has exited
+            say(f"shaky: {exc}")
+        raise Stop("", exc.code) from None
     except LeftBehind as exc:
         if writer:      # rank 0 hosts the control store: the others cannot have gone on without it
             end_run(comm, keys.ended)

@@ -145,6 +145,10 @@ class RoundMail:
 
     def close(self) -> None:
         self._closed = True
+        try:    # wakes the receiving thread now, not at its next timeout
+            self._sock.sendto(b"", self._sock.getsockname())
+        except OSError:
+            pass
         if self._line is not None:
             self._line.close()
         self._thread.join(timeout=1.0)
@@ -184,6 +188,8 @@ class RoundMail:
                 if self._closed:
                     return
                 continue
+            if self._closed:
+                return
             self._take(data, addr)
 
     def _take(self, data: bytes, addr: tuple[str, int]) -> None:
