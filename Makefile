@@ -23,7 +23,8 @@ test: $(BIN)/shaky
 # A run and a sweep stopped by SIGINT, SIGTERM and SIGKILL at 20 random moments each, resumed every time,
 # compared with the uninterrupted ones (tests/test_kill.py), and by SIGINT and SIGTERM at 50 moments of their
 # whole lives (tests/test_signals.py); the launchers' restarts (tests/test_launch.py), ranks killed, frozen or
-# started again (tests/test_membership.py), a hung rank (tests/test_dist_faults.py). Twenty minutes or more.
+# started again (tests/test_membership.py), a hung rank (tests/test_dist_faults.py), rounded values and a failure
+# over real loss replayed (tests/test_udp_train.py). Twenty-five minutes or more.
 test-kill: $(BIN)/shaky
 	$(BIN)/python -m pytest -m kill
 

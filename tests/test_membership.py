@@ -143,6 +143,7 @@ def _rows_with(run_dir: Path, **values) -> list[dict]:
     return [r for r in rows if all(r.get(k) == v for k, v in values.items())]
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_ri_sgd_with_redundancy_keeps_its_coverage_through_two_failures(tmp_path: Path) -> None:
     """RI-SGD with q = 3 of the 4 chunks per worker: ranks 1 and 3 are killed (steps 20 and 40), the other two
     still hold every training sample (coverage 1.0), and the run ends within a point of the same run without

@@ -173,8 +173,9 @@ def test_zero_loss_is_the_exact_mean(W: int, compiled: bool, offload: bool) -> N
         mp_.setattr(UdpExchange, "_on_datagram", counted)
         results = run_round(exs, rows, 0)
         seg = seg_len(exs[0], torch.float32)
-    if compiled:    # the batch path placed all but each stream's short last segment and its repeat
-        assert all(one_by_one.get(r, 0) <= 2 * 2 * (W - 1) for r in range(W)), one_by_one
+    copies = 1      # without loss before, each stream's last datagram goes with one copy (final_copies is 2)
+    if compiled:    # the batch path placed all but each stream's short last segment and its repeats
+        assert all(one_by_one.get(r, 0) <= 2 * (1 + copies) * (W - 1) for r in range(W)), one_by_one
     mean = torch.stack(rows).mean(0)
     nseg = [math.ceil(n / seg) for n in block_sizes(D, W)]
     for r, (new, up_obs, down_obs, stats) in enumerate(results):
@@ -184,7 +185,7 @@ def test_zero_loss_is_the_exact_mean(W: int, compiled: bool, offload: bool) -> N
         assert stats.received == sum(stats.expected) and stats.rejected == stats.late == 0
         assert stats.closed_by == ("complete", "complete")
         assert stats.sent == sum(nseg) - nseg[r] + (W - 1) * nseg[r]
-        assert stats.repeated == 2 * (W - 1)      # one copy of the last datagram per stream, both phases
+        assert stats.repeated == 2 * (W - 1) * copies     # copies of the last datagram per stream, both phases
     assert_matches(results, rows, seg)
 
 
@@ -384,7 +385,7 @@ def test_rounded_values_give_the_simulators_streams(name: str, compiled: bool) -
 def test_the_transport_counts_the_bytes_rounded_values_save(name: str, fewer: float) -> None:
     """Loss 0, float32 rows, 1472-byte datagrams: the first round sends whole values, the next rounded
     differences; each round's bytes, counted by the transport, are what the datagrams hold (a segment of 355
-    values, its scales, 52 bytes of header and tag; every stream's last datagram twice)."""
+    values, its scales, 52 bytes of header and tag; every stream's last datagram twice: no round lost anything)."""
     from shaky.comm import quant  # noqa: PLC0415
     from shaky.comm.udp.exchange import QuantState  # noqa: PLC0415
 
@@ -520,6 +521,23 @@ def test_the_repeat_stands_in_for_a_lost_last_datagram() -> None:
     st = results[1][3]
     assert st.closed_by == ("complete", "complete") and st.received == sum(st.expected) and st.rejected == 0
     assert results[2][3].dropped_by_hook == 1
+
+
+def test_a_round_that_lost_datagrams_makes_the_next_send_every_copy_of_the_last() -> None:
+    """Rank 0 loses one datagram of rank 1's (more than 1% of what it expects): in the next round it sends each of
+    its streams' very last datagram with ``final_copies`` copies; the others, which lost nothing, with one."""
+    W, D = 3, 1000
+    rows = random_rows(W, D, seed=8)
+    options = UdpOptions(datagram_bytes=SMALL.datagram_bytes, final_grace_s=5.0, final_copies=2)
+    with group(W, options) as exs:
+        exs[1].fault = lambda phase, block, k, dest: "drop" if (phase, k, dest) == (1, 0, 0) else None
+        lossy = run_round(exs, rows, 0)
+        exs[1].fault = None
+        after = run_round(exs, rows, 1)
+    assert lossy[0][3].received == sum(lossy[0][3].expected) - 1
+    assert [res[3].repeated for res in lossy] == [2 * (W - 1)] * W
+    assert [res[3].repeated for res in after] == [2 * (W - 1) * 2, 2 * (W - 1), 2 * (W - 1)]
+    assert all(res[1].all() and res[2].all() for res in after)
 
 
 def test_a_phase_closes_at_its_deadline() -> None:

@@ -101,6 +101,7 @@ def test_a_real_lossy_udp_run_replays_in_the_simulator(tmp_path: Path) -> None:
     assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 @pytest.mark.parametrize("value_dtype", ["int8", "bfloat16"])
 def test_rounded_values_over_real_loss_replay_in_the_simulator(value_dtype: str, tmp_path: Path) -> None:
     """strategy.value_dtype on udp: 10% of the datagrams really lost, each rank sends rounded differences where
@@ -138,6 +139,7 @@ def test_with_every_packet_lost_a_run_finishes_and_replays_in_the_simulator(tmp_
     assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_a_udp_run_with_a_failure_replays_in_the_simulator(tmp_path: Path) -> None:
     """Worker 1 is down from step 8 to step 20 (the schedule's failure, on udp) and rank 2 serves its block too,
     with 10% of the datagrams really lost: each of rank 2's blocks is a message of its own, so the trace holds
