@@ -21,8 +21,10 @@ Rows: ``allreduce`` is dts with t = 1 (a synchronous average every step over the
 exchange is RPS's block average either way), dts with t = 2, 4, 8, 16 and d = 1 (an average launched every
 step, applied t - 1 steps later, running in the background meanwhile), and local SGD with tau = 8.
 
-Measured: seconds per step from the run's own wall time (``summary.json``'s ``wall_time_s`` over its steps, the
-start-up of torchrun and Python excluded), the seconds it waited for exchanges (``wait_s``, rank 0), and
+Measured: seconds per step from the run's own wall time less its evaluations (``summary.json``'s ``wall_time_s -
+eval_time_s`` over its steps: the start-up of torchrun and Python excluded, and so are the evaluations at step 0
+and at the end, which the clock does not model; the last one's rounds of means wait for every exchange still in
+flight, about a second at 100 ms, each printed as "eval s"), the seconds it waited for exchanges (``wait_s``, rank 0), and
 whether the simulator replaying the run's trace ends at its parameters (the largest absolute difference).
 Predicted: the run's own simulated clock (``sim_time_s`` over its steps), with two numbers calibrated first in
 the same harness and then held fixed: ``network.compute_ms`` from a run that never communicates (its seconds
@@ -95,7 +97,8 @@ def _train(out: Path, flags: list[str], steps: int, timeout_s: float, env: dict[
             log.seek(0)
             return {"status": "error", "why": f"exit status {rc}: {log.read()[-1500:]}"}
     summary = json.loads((out / "summary.json").read_text())
-    return {"status": "ok", "steps": summary["steps"], "wall_s": summary["wall_time_s"],
+    return {"status": "ok", "steps": summary["steps"], "wall_s": summary["wall_time_s"] - summary["eval_time_s"],
+            "eval_s": summary["eval_time_s"],
             "sim_s": summary["sim_time_s"], "compute_ms": summary["compute_ms"], "wait_s": summary["wait_s"],
             "sim_wait_s": summary["sim_wait_s"], "accuracy": summary["final_test_accuracy"],
             "udp": summary["udp"]}
@@ -168,7 +171,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 data["rows"].append(record)
                 save()
                 shown = (f"{record['wall_s'] / record['steps'] * 1e3:.1f} ms a step (clock "
-                         f"{record['sim_s'] / record['steps'] * 1e3:.1f}), replay {record.get('replay')}"
+                         f"{record['sim_s'] / record['steps'] * 1e3:.1f}), eval s {record['eval_s']:.2f}, "
+                         f"replay {record.get('replay')}"
                          if record["status"] == "ok" else record)
                 print(f"  {name}, {latency:g} ms: {shown}", flush=True)
         if not args.no_replay:

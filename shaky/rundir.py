@@ -324,6 +324,9 @@ class Counters:
     """Wall seconds the workers spent blocked waiting for exchanges (rank 0's)."""
     sim_wait_s: float = 0.0
     """The simulated clock's seconds of waiting for exchanges (the same quantity, predicted)."""
+    eval_s: float = 0.0
+    """Wall seconds spent in evaluations (part of ``wall_time_s``): their rounds of means, which first take in
+    every exchange still in flight, and the forward passes."""
     transport: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What a real lossy transport counted up to the checkpoint (``Observed.transport_stats``; empty on gloo and
     the simulator)."""
@@ -502,6 +505,10 @@ class Summary:
     simulator, whose exchanges are not waited for)."""
     sim_wait_s: float = 0.0
     """The simulated clock's prediction of the same: seconds a step waited for an exchange past its compute."""
+    eval_time_s: float | None = None
+    """Wall seconds of ``wall_time_s`` spent in evaluations, the last one's included (on the dist backend, their
+    rounds of means, which first wait for every exchange still in flight); ``wall_time_s - eval_time_s`` is the
+    time the steps took, which the simulated clock predicts. None in a summary written before shaky recorded it."""
     udp: dict[str, Any] | None = None
     """dist.transport udp: the datagrams of the run, every rank's summed (sent, received, the observed loss
     rate 1 - received / expected, late, rejected, phases closed by their deadline); None otherwise."""
@@ -542,7 +549,8 @@ class Summary:
             trace=str(Path(cfg.network.trace).resolve()) if cfg.network.trace else "",
             transport=cfg.dist.transport if cfg.backend == "dist" else "", udp=udp or None,
             wait_s=round(counters.wait_s, 6) if cfg.backend == "dist" else None,
-            sim_wait_s=round(counters.sim_wait_s, 6), final_test_perplexity=last.get("test_perplexity"),
+            sim_wait_s=round(counters.sim_wait_s, 6), eval_time_s=round(counters.eval_s, 6),
+            final_test_perplexity=last.get("test_perplexity"),
             versions=versions(), config_sha256=config_sha256)
 
     def to_dict(self) -> dict[str, Any]:

@@ -478,6 +478,7 @@ class _Metrics:
     def log(self, params: torch.Tensor, grads: torch.Tensor | None,
             live_weights: torch.Tensor | None) -> dict[str, Any]:
         c, cfg, setup = self.counters, self.setup.cfg, self.setup
+        t0 = time.perf_counter()
         live = self.members.live(max(c.step - 1, 0))
         covered = None if self.held is None else set().union(*(h for h, a in zip(self.held, live.tolist()) if a))
         # The diversity's means ride in the evaluation's first round (two rounds in all, with live membership).
@@ -490,8 +491,10 @@ class _Metrics:
                "gradient_diversity": None if diversity is None else diversity(),
                "train_loss": c.train_loss_sum / c.train_loss_count if c.train_loss_count else None,
                **evaluated,
-               "lr": setup.strategy.opt.lr(max(c.step - 1, 0)),
-               "wall_time_s": c.wall_time_s + time.perf_counter() - self.t_start}
+               "lr": setup.strategy.opt.lr(max(c.step - 1, 0))}
+        now = time.perf_counter()
+        c.eval_s += now - t0
+        row["wall_time_s"] = c.wall_time_s + now - self.t_start
         if self.writer:
             append_metrics(self.run_dir, row)
         self.bar.report(row)

@@ -56,8 +56,17 @@ def run(cfg: RunConfig, run_dir: Path, **kwargs: Any) -> tuple[dict[str, Any], t
     return summary, params, read_metrics(run_dir)
 
 
+MEASURED = ("wall_time_s", "eval_time_s")
+"""The fields of a metrics row or a summary that are seconds of this machine's clock."""
+
+
+def unmeasured(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row or summary without the seconds of this machine's clock (``MEASURED``)."""
+    return {k: v for k, v in record.items() if k not in MEASURED}
+
+
 def without_wall_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows]
+    return [unmeasured(r) for r in rows]
 
 
 def assert_same_run(got: Path, want: Path) -> None:

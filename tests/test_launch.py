@@ -151,7 +151,7 @@ def test_on_gloo_the_launcher_resumes_every_rank_and_the_run_ends_as_one_never_s
     launch(tmp_path / "whole", "0", "")
 
     def numbers(out: Path) -> tuple[list[dict], dict]:
-        measured = ("wall_time_s", "wait_s")    # seconds of this machine's clock
+        measured = ("wall_time_s", "eval_time_s", "wait_s")    # seconds of this machine's clock
         rows = [{k: v for k, v in json.loads(line).items() if k not in measured}
                 for line in (out / "metrics.jsonl").read_text().splitlines()]
         summary = {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k not in measured}
@@ -318,7 +318,7 @@ GLOO_RUN = ["--workers", "4", "--steps", "60", "--checkpoint-every", "20", "--se
 
 def _numbers(out: Path) -> tuple[list[dict], dict]:
     """Every number of a run's metrics.jsonl and summary.json but the seconds of this machine's clock."""
-    measured = ("wall_time_s", "wait_s")
+    measured = ("wall_time_s", "eval_time_s", "wait_s")
     rows = [{k: v for k, v in json.loads(line).items() if k not in measured}
             for line in (out / "metrics.jsonl").read_text().splitlines()]
     return rows, {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k not in measured}

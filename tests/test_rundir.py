@@ -16,6 +16,8 @@ import torch
 from shaky.cli import main
 from shaky.rundir import CHECKPOINT_FILE, METRICS_FILE, claim_dir, load_checkpoint, read_metrics, release_dir
 
+from conftest import unmeasured
+
 ARGS = ["--workers", "4", "--steps", "40", "--eval-every", "10", "--checkpoint-every", "20", "--quiet",
         "--set", "network.compute_ms=1.0"]
 
@@ -141,7 +143,7 @@ def test_a_torn_last_metrics_line_is_trimmed_on_resume(tmp_path: Path, capsys) -
     with open(cut / METRICS_FILE, "a") as f:  # what a process killed in the middle of a write leaves
         f.write('{"step": 40, "test_acc')
     assert main(["train", "--resume", str(cut)]) == 0
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows]  # noqa: E731
+    strip = lambda rows: [unmeasured(r) for r in rows]  # noqa: E731
     assert strip(read_metrics(cut)) == strip(read_metrics(whole))
     assert torch.equal(load_checkpoint(cut)["params"], load_checkpoint(whole)["params"])
 

@@ -23,6 +23,8 @@ from shaky.inject import Fault, FaultInjector
 from shaky.sweep import Task, execute, load_sweep, parse_sweep, point_name, run_sweeps
 from shaky.train import prepare, train
 
+from conftest import unmeasured
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_BASE = {"num_workers": 2, "steps": 20, "batch_size": 8, "eval_every": 10, "checkpoint_every": 10,
              "network": {"compute_ms": 1.0, "preset": "lossy"}}
@@ -159,7 +161,7 @@ class Counting:
 
 
 def _summaries(root: Path) -> dict[str, dict[str, Any]]:
-    return {p.parent.name: {k: v for k, v in json.loads(p.read_text()).items() if k != "wall_time_s"}
+    return {p.parent.name: unmeasured(json.loads(p.read_text()))
             for p in sorted(root.glob("*/summary.json"))}
 
 

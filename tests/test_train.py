@@ -15,7 +15,7 @@ from shaky.sampler import _mix, _permuted
 from shaky.train import (SHARDS_FILE, BatchSampler, InterruptedRun, can_fuse, prepare, read_metrics,
                          train, train_step)
 
-from conftest import everyone, make_config, run, stop_at, without_wall_time
+from conftest import everyone, make_config, run, stop_at, unmeasured, without_wall_time
 
 
 def test_replayed_trace_reproduces_the_run_exactly(tmp_run) -> None:
@@ -54,8 +54,7 @@ def test_resume_is_bit_identical(strategy: str | dict, momentum: float | str, tm
     assert [r["step"] for r in read_metrics(crashed)] == [0, 10, 20, 30, 40, 50, 60]  # ...and are not repeated
     assert torch.equal(load_checkpoint(crashed)["params"], params)
     assert without_wall_time(read_metrics(crashed)) == without_wall_time(rows)
-    assert {k: v for k, v in resumed.items() if k != "wall_time_s"} == \
-        {k: v for k, v in whole.items() if k != "wall_time_s"}
+    assert unmeasured(resumed) == unmeasured(whole)
 
 
 def test_a_resumed_run_keeps_its_measured_compute_time(tmp_run, monkeypatch) -> None:
@@ -73,8 +72,7 @@ def test_a_resumed_run_keeps_its_measured_compute_time(tmp_run, monkeypatch) -> 
     assert prepare(cfg).compute_ms == 3 * whole["compute_ms"]
     resumed = train(prepare(cfg), crashed, resume=True, progress=False)
     assert without_wall_time(read_metrics(crashed)) == without_wall_time(rows)
-    assert {k: v for k, v in resumed.items() if k != "wall_time_s"} == \
-        {k: v for k, v in whole.items() if k != "wall_time_s"}
+    assert unmeasured(resumed) == unmeasured(whole)
 
 
 def test_metrics_and_shards_are_recorded(tmp_run) -> None:
@@ -235,8 +233,7 @@ def test_the_compute_time_is_measured_once_per_machine(tmp_path, monkeypatch) ->
     monkeypatch.setattr(shaky.setup, "_COMPUTE_MS", {})
     monkeypatch.setattr(shaky.setup, "_measure", lambda setup: pytest.fail("measured again"))
     second = train(prepare(cfg), tmp_path / "b", progress=False)
-    assert {k: v for k, v in second.items() if k != "wall_time_s"} == \
-        {k: v for k, v in first.items() if k != "wall_time_s"}
+    assert unmeasured(second) == unmeasured(first)
 
     cache.write_text("{not json")
     monkeypatch.setattr(shaky.setup, "_COMPUTE_MS", {})
