@@ -446,7 +446,8 @@ def run_training(losses: list[float], steps: int, timeout_s: float,
                     else:
                         summary = json.loads((run_dir / "summary.json").read_text())
                         record.update(status="ok", accuracy=summary["final_test_accuracy"],
-                                      train_s=summary["wall_time_s"], udp=summary.get("udp"))
+                                      train_s=summary["wall_time_s"], udp=summary.get("udp"),
+                                      steps_s=summary["wall_time_s"] - (summary.get("eval_time_s") or 0.0))
                 out.append(record)
                 save(out)
                 print(f"  {RUN_LABELS[name]}, loss {p:g}: {record['status']}, {wall:.1f} s "
@@ -530,6 +531,14 @@ def print_rounds(rows: list[dict[str, Any]]) -> None:
           "after their phase closed; phases closed: both phases of every rank's rounds")
 
 
+def _steps(r: dict[str, Any], b: dict[str, Any] | None) -> list[str]:
+    """A training run's seconds of steps (its evaluations left out) and their ratio to ``b``'s; "-" for a record
+    written before summary.json had eval_time_s."""
+    if r.get("steps_s") is None:
+        return ["-", "-"]
+    return [f"{r['steps_s']:.1f}", _ratio(r["steps_s"], b and b.get("steps_s"))]
+
+
 def print_training(rows: list[dict[str, Any]]) -> None:
     base = {r["run"]: r for r in rows if r["loss"] == 0.0 and r["status"] == "ok"}
     table = []
@@ -539,18 +548,20 @@ def print_training(rows: list[dict[str, Any]]) -> None:
         if r["status"] == "ok":
             udp = r.get("udp")
             line += [f"{r['wall_s']:.1f}", _ratio(r["wall_s"], b and b["wall_s"]), f"{r['train_s']:.1f}",
-                     _ratio(r["train_s"], b and b["train_s"]), f"{r['accuracy']:.4f}",
+                     _ratio(r["train_s"], b and b["train_s"]), *_steps(r, b), f"{r['accuracy']:.4f}",
                      f"{(r['accuracy'] - b['accuracy']) * 100:+.1f}" if b else "-",
                      f"{udp['observed_loss']:.4f}" if udp else "-"]
         else:
             reached = f", last evaluated step {r['last_step']}" if r.get("last_step") is not None else ""
-            line += [f"{r['status']} at {r['wall_s']:.0f}{reached}", "-", "-", "-", "-", "-", "-"]
+            line += [f"{r['status']} at {r['wall_s']:.0f}{reached}", "-", "-", "-", "-", "-", "-", "-", "-"]
         table.append(line)
-    _table(["run", "loss", "wall s", "x0", "train s", "x0", "test accuracy", "points", "udp not used"], table)
+    _table(["run", "loss", "wall s", "x0", "train s", "x0", "steps s", "x0", "test accuracy", "points",
+            "udp not used"], table)
     dropped = sorted({r.get("dropped", "the run's own protocol") for r in rows})
     print(f"\npackets dropped: {', '.join(dropped)}")
     print(f"{rows[0]['steps']} steps; wall s: the whole torchrun command (start-up included); train s: the training "
-          "loop (summary.json's wall_time_s);\nx0: over the same run at loss 0; points: test accuracy minus the same "
+          "loop (summary.json's wall_time_s); steps s: its steps alone (wall_time_s - eval_time_s: the evaluations,\n"
+          "every 50 steps, take rounds of means whose gathers go to rank 0's store over TCP);\nx0: over the same run at loss 0; points: test accuracy minus the same "
           "run's at loss 0, in percentage points;\nudp not used: summary.json's observed_loss (1 - datagrams used / "
           "expected)")
 
