@@ -86,6 +86,8 @@ def test_metrics_and_shards_are_recorded(tmp_run) -> None:
     assert summary["messages_sent"] == 20 * 2 * 4 * 3        # steps x phases x W x (W - 1)
     assert 0 < summary["messages_dropped"] < summary["messages_sent"]
     assert summary["sim_time_s"] > 20 * 1e-3                 # at least the compute time (1 ms per step)
+    # The three evaluations' seconds, a part of the run's: the step-0 row's wall time is about its evaluation's.
+    assert rows[0]["wall_time_s"] <= summary["eval_time_s"] < summary["wall_time_s"] == rows[-1]["wall_time_s"]
     shards = json.loads((run_dir / SHARDS_FILE).read_text())
     indices = [set(s["indices"]) for s in shards]
     assert sum(map(len, indices)) == len(set().union(*indices)) == len(prepare(cfg).data.y_train)

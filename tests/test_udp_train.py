@@ -91,13 +91,7 @@ def test_a_real_lossy_udp_run_replays_in_the_simulator(tmp_path: Path) -> None:
     assert summary["messages_dropped"] == udp["datagrams_sent"] - udp["datagrams_received"], (summary, udp)
     assert summary["final_test_accuracy"] > 0.5
 
-    replay = tmp_path / "replay"
-    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(out / "config.toml"),
-                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(out), "--quiet",
-                          "--out", str(replay)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert sim.returncode == 0, sim.stderr[-2000:]
-    real, replayed = load_checkpoint(out)["params"], load_checkpoint(replay)["params"]
-    torch.testing.assert_close(replayed, real, rtol=0, atol=REPLAY_ATOL)
+    replay = _replayed(out, tmp_path)
     assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
 
 

@@ -14,10 +14,11 @@ transport that actually does so. One :class:`UdpExchange` per rank binds one UDP
 Nothing is ever resent. A phase closes when every expected datagram has arrived, when every sender's
 final datagrams have arrived (the rest were lost: one sender's datagrams travel in order, so nothing
 sent before them is still on the way; OptiReduce's early close), or at its deadline, whichever comes
-first. The very last datagram of each sender's stream to a receiver goes ``1 + UdpOptions.final_copies``
-times, the copies flagged as repeats (and tagged as themselves): it is the one that says "that was all", and
-when it is lost the receiver waits ``UdpOptions.final_grace_s`` for it (it may only be late); with two copies
-that happens with probability p^3 instead of p. A repeat whose original arrived is dropped without a count. What arrived is
+first. The very last datagram of each sender's stream to a receiver goes with a copy (with
+``UdpOptions.final_copies`` of them after a round in which this rank lost more than 1% of what it expected),
+the copies flagged as repeats (and tagged as themselves): it is the one that says "that was all", and when it
+and its copies are lost the receiver waits ``UdpOptions.final_grace_s`` for it (it may only be late): with p^2
+or p^3 instead of p. A repeat whose original arrived is dropped without a count. What arrived is
 reported as masks, which are the segment-level delivery masks of the simulator
 (``LinkSample``) for this rank's links:
 
@@ -690,8 +691,8 @@ class UdpExchange:
     def _datagrams(self, state: _Round, phase: int, block: int, payloads: list[bytes], codes: list[int]
                    ) -> list[bytes]:
         """Block ``block``'s datagrams of this phase, one a segment: the headers :meth:`_Round.headers` gives
-        (its final flags), each with its own dtype byte and length; the very last one ``final_copies`` more
-        times, the copies flagged as repeats (tagged as themselves)."""
+        (its final flags), each with its own dtype byte and length; the very last one with this round's copies
+        (``_copies``), flagged as repeats (tagged as themselves)."""
         heads = state.headers(phase, block, self.rank)
         out = []
         for k, (payload, code) in enumerate(zip(payloads, codes)):
