@@ -24,7 +24,8 @@ test: $(BIN)/shaky
 # compared with the uninterrupted ones (tests/test_kill.py), and by SIGINT and SIGTERM at 50 moments of their
 # whole lives (tests/test_signals.py); the launchers' restarts (tests/test_launch.py), ranks killed, frozen or
 # started again (tests/test_membership.py), a hung rank (tests/test_dist_faults.py), rounded values and a failure
-# over real loss replayed (tests/test_udp_train.py). Twenty-five minutes or more.
+# over real loss and a delayed exchange in the background replayed (tests/test_udp_train.py), the fuzzed
+# configs run end to end in processes (tests/test_fuzz.py). Thirty minutes or more.
 test-kill: $(BIN)/shaky
 	$(BIN)/python -m pytest -m kill
 

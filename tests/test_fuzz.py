@@ -737,6 +737,7 @@ def _limit_child_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_end_to_end_in_processes(base: Base, tmp_path: Path) -> None:
     """The same contract in real processes (started together: each pays for importing torch)."""
     env = {**os.environ, "SHAKY_CACHE_DIR": str(tmp_path / "cache")}

@@ -159,6 +159,7 @@ def test_a_udp_run_with_a_failure_replays_in_the_simulator(tmp_path: Path) -> No
     assert read_summary(replay)["messages_dropped"] == summary["messages_dropped"]
 
 
+@pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_a_delayed_exchange_in_the_background_replays_in_the_simulator(tmp_path: Path) -> None:
     """dts with t = 4 over udp: each exchange runs in the background while the next three steps compute, over
     links with an emulated one-way latency of 20 ms and 10% of the datagrams really lost, with a checkpoint
