@@ -245,7 +245,9 @@ def cmd_train(args: argparse.Namespace, env: JobEnv) -> int:
 
     try:
         cfg, run_dir = _train_config(args, env)
-        if env.job_rank in (None, 0):    # rank 0 writes --out
+        # A process started again for rank 0 of a udp run in progress (its keeper still serves MASTER_PORT) joins it.
+        joining = rank.joining(env, cfg.dist_timeout_s) if cfg.backend == "dist" and env.job_rank == 0 else None
+        if env.job_rank in (None, 0) and joining is None:    # rank 0 writes --out
             _check_out(args)
         # dist: rank 0 measures alone (rank.train_dist); device cuda puts each rank on GPU LOCAL_RANK. Before a rank
         # waits for rank 0's store: bad input found here is said at once, on every machine.
@@ -253,7 +255,8 @@ def cmd_train(args: argparse.Namespace, env: JobEnv) -> int:
                         local_rank=int(env.local_rank or 0) if cfg.backend == "dist" else None)
     except (ValueError, TypeError) as exc:
         raise BadInput(str(exc)) from None
-    joining = rank.joining(env, cfg.dist_timeout_s) if cfg.backend == "dist" else None
+    if cfg.backend == "dist" and env.job_rank != 0:
+        joining = rank.joining(env, cfg.dist_timeout_s)
     if joining is None and env.job_rank not in (None, 0) and env.machine == "0":   # as rank 0 beside it says
         _check_out(args)
     if joining is not None:

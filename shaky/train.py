@@ -6,7 +6,8 @@ gradients at once (one batched computation over the [w, D] parameter rows, see
 ``shaky.vectorized``), takes the round's delivery masks and membership, lets the
 strategy update and exchange, and advances the simulated clock. Metrics,
 checkpoints and the delivery trace go to the run directory (``shaky.rundir``);
-only the writer process (rank 0 in torch.distributed) writes.
+only the writer process writes: rank 0 in torch.distributed, and with live membership the first live rank
+of :class:`Writers`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from shaky.membership import Members, Scheduled
 from shaky.network.clock import Clock, ClockState
 from shaky.network.faults import FailureSchedule, Membership, Round
 from shaky.network.model import MaskLog, NetworkModel, TraceNetwork
-from shaky.progress import Progress
+from shaky.progress import Progress, say
 from shaky.resumable import check_params, config_digest
-from shaky.rundir import (CHECKPOINT_FILE, SHARDS_FILE, Counters, Summary, append_metrics, create,
+from shaky.rundir import (CHECKPOINT_FILE, METRICS_FILE, SHARDS_FILE, Counters, Summary, append_metrics, claim_dir, create,
                           load_checkpoint, load_run_config, load_trace, new_run_dir, read_metrics, record_start,
                           save_checkpoint, save_trace, truncate_metrics)
 from shaky.sampler import BatchSampler
@@ -116,7 +117,7 @@ def _mark(marks: list[float] | None) -> None:
 def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool = False, writer: bool = True,
           label: str = "train", progress: bool = True, faults: FaultInjector | None = None,
           welcome: dict[str, Any] | None = None, members: Members | None = None,
-          signals: SignalWatch | None = None) -> dict[str, Any]:
+          signals: SignalWatch | None = None, writers: Writers | None = None) -> dict[str, Any]:
     """Runs (or resumes) training into ``run_dir`` and returns the summary.
 
     ``welcome``: this process was started again for a dead rank and taken back by the survivors
@@ -128,7 +129,9 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     step s ends the run there without a final checkpoint, as a killed process would.
     ``members``: who is in each step (``shaky.membership``; its schedule from :func:`schedule_of`); None: the
     config's failure schedule. ``signals``: a watch the caller entered before it made the run directory (a signal
-    while it was made stops the run after its first step); None: the loop watches for its own.
+    while it was made stops the run after its first step); None: the loop watches for its own. ``writer``: this
+    process writes the run directory from the start; ``writers``: with live membership, which rank writes it
+    later (the first live one of its order: the run directory outlives the death of rank 0).
     """
     cfg = setup.cfg
     comm = comm or SimComm(cfg.num_workers)
@@ -143,25 +146,27 @@ def train(setup: Setup, run_dir: Path, *, comm: Comm | None = None, resume: bool
     last: dict[str, Any] | None = None     # a resumed run's last evaluation
     if welcome is not None:
         params, state, counters = _rejoin(setup, welcome, clock, masks, members.schedule)
+        if writers is not None and "writers" in welcome:
+            writers.order, writers.now = welcome["writers"]
     else:
         params, state, counters, last = _start(setup, run_dir, comm, clock, masks, resume=resume, writer=writer)
     t_start = time.perf_counter()
     bar = Progress(cfg.steps, counters.step, label, progress and writer)
-    metrics = _Metrics(setup, members.schedule, comm, run_dir, bar, writer, counters, t_start, last)
+    metrics = _Metrics(setup, members.schedule, comm, run_dir, bar, writer, counters, t_start, last, writers)
     if counters.step == 0:
         metrics.log(params, None, None)
     with contextlib.nullcontext(signals) if signals else SignalWatch(announce=writer and progress) as signals:
         params, state = _loop(setup, comm, sampler, batch_mask, members, clock, masks, params, state, counters,
                               metrics, bar, faults, signals)
     bar.close()
-    _checkpoint(setup, run_dir, comm, params, state, counters, clock, masks, writer, t_start, trace=True,
+    _checkpoint(setup, run_dir, comm, params, state, counters, clock, masks, metrics.writes(), t_start, trace=True,
                 transport_before=metrics.transport_before)
     # transport_stats is a collective on the dist backend: every rank calls it.
     udp = seen.transport_stats(metrics.transport_before)
     if udp.get("membership_changes"):   # the run's membership as failures, which the simulator replays
         udp["failures"] = members.schedule.failures
     summary = metrics.summary(udp=udp)
-    if writer:
+    if metrics.writes():
         summary.write(run_dir)
     return summary.to_dict()
 
@@ -184,7 +189,10 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
             nonlocal state
             losses.take(counters, settle=True)
             state = map_rows(state, lambda t: t)     # every exchange in flight, completed
-            return _handover(members.schedule, clock, masks, counters, state, setup)
+            handed = _handover(members.schedule, clock, masks, counters, state, setup)
+            if metrics.writers is not None:     # who writes the run directory, and who may after it
+                handed["writers"] = (metrics.writers.order, metrics.writers.now)
+            return handed
 
         turn = members.step(step, handover)   # who is in this step (and who is taken back at its start)
         rnd = Round(step, _masks_of(setup.network, step, turn.members), turn.members)
@@ -218,14 +226,14 @@ def _loop(setup: Setup, comm: Comm, sampler: BatchSampler, batch_mask: torch.Ten
                 bar.close()
                 error = (f"training diverged at step {counters.step} (loss is not finite); "
                          f"lower optim.lr (now {cfg.optim.lr})")
-                if metrics.writer:
+                if metrics.writes():
                     metrics.summary(diverged=True, error=error).write(metrics.run_dir)
                 raise FloatingPointError(error)
         stop = stop if counters.step < cfg.steps else None
         if stop is not None:    # every pending mean is taken in before the checkpoint (its counters)
             losses.take(counters, settle=True)
         if stop is not None or (checkpointing and counters.step < cfg.steps):
-            _checkpoint(setup, metrics.run_dir, comm, params, state, counters, clock, masks, metrics.writer,
+            _checkpoint(setup, metrics.run_dir, comm, params, state, counters, clock, masks, metrics.writes(),
                         metrics.t_start, trace=stop is not None, transport_before=metrics.transport_before)
         if stop is not None:
             bar.close()
@@ -461,13 +469,42 @@ def _recorded_masks(setup: Setup, run_dir: Path, rounds: int) -> TraceNetwork:
                         *load_trace(str(run_dir), cfg.num_workers, rounds, segment_bytes=cfg.network.segment_bytes))
 
 
+class Writers:
+    """Which rank writes the run directory with live membership, the same on every rank: rank 0 at the start,
+    and while the writer is live it stays the writer; once it is left out, the first live rank of ``order``
+    (rank 0, then the other ranks whose machine holds the run directory, by rank). Every rank computes every row, gathers every checkpoint and keeps the whole trace, so the rank that
+    takes over writes what rank 0 would have: a dead rank 0 costs the run directory nothing but a checkpoint it
+    was writing (the last one stands) or, dead between an evaluation and its row, that row, which the new
+    writer appends first."""
+
+    def __init__(self, rank: int, order: list[int]) -> None:
+        self.rank, self.order = rank, order
+        self.now: int | None = order[0] if order else None
+        """The rank that writes as of the last look."""
+
+    @property
+    def mine(self) -> bool:
+        """Whether this rank writes as of the last look."""
+        return self.now == self.rank
+
+    def pick(self, live: torch.Tensor) -> int | None:
+        """The rank that writes where ``live`` (bool [W]) are live; None: no live rank can."""
+        if self.now is not None and bool(live[self.now]):
+            return self.now
+        return next((r for r in self.order if bool(live[r])), None)
+
+
 class _Metrics:
     """The evaluation rows of metrics.jsonl and the summary built from the last one."""
 
     def __init__(self, setup: Setup, members: FailureSchedule, comm: Comm, run_dir: Path, bar: Progress,
-                 writer: bool, counters: Counters, t_start: float, last: dict[str, Any] | None = None) -> None:
+                 writer: bool, counters: Counters, t_start: float, last: dict[str, Any] | None = None,
+                 writers: Writers | None = None) -> None:
         self.setup, self.members, self.comm, self.run_dir = setup, members, comm, run_dir
         self.bar, self.writer, self.counters, self.t_start = bar, writer, counters, t_start
+        self.writers = writers
+        self._unwritten = False
+        """No live rank can write the run directory (said once)."""
         self.transport_before = dict(counters.transport)
         self.wait_before = counters.wait_s
         """Seconds waited for exchanges up to the checkpoint this run resumed from."""
@@ -475,9 +512,44 @@ class _Metrics:
         self.held = [set(s.tolist()) for s in setup.shards] if setup.cfg.failures else None
         self.last = last
 
+    def writes(self) -> bool:
+        """Whether this rank writes the run directory now (the step just done's membership): with
+        :class:`Writers`, the first live rank of its order, which takes over where the one before it was left
+        out."""
+        if self.writers is None:
+            return self.writer
+        live = self.members.live(max(self.counters.step - 1, 0))
+        first = self.writers.pick(live)
+        if first == self.writers.rank and not self.writer:
+            self._take_over()
+        if first is None and not self._unwritten and self.writers.rank == next(
+                r for r in range(len(live)) if live[r]):
+            say(f"shaky: warning: after step {self.counters.step} no live rank is on the run directory's machine: "
+                "the survivors train on, and nothing more is written to it")
+            self._unwritten = True
+        self.writer, self.writers.now = first == self.writers.rank, first
+        return self.writer
+
+    def _take_over(self) -> None:
+        """This rank writes the run directory from now on: the ranks before it in :class:`Writers`' order were
+        left out. metrics.jsonl is made to end with the last row every rank computed (a torn line dropped, a row
+        its writer died before writing appended)."""
+        step = self.counters.step
+        say(f"shaky: rank {self.writers.rank} writes the run directory from step {step} on (the ranks before it "
+            "were left out)")
+        with contextlib.suppress(ValueError):     # a writer that stands still (SIGSTOP) still holds the claim
+            claim_dir(self.run_dir)
+        last = self.last
+        if last is not None:
+            rows = read_metrics(self.run_dir, trim_torn=True) if (self.run_dir / METRICS_FILE).exists() else []
+            truncate_metrics(self.run_dir, last["step"])
+            if not rows or rows[-1]["step"] < last["step"]:
+                append_metrics(self.run_dir, last)
+
     def log(self, params: torch.Tensor, grads: torch.Tensor | None,
             live_weights: torch.Tensor | None) -> dict[str, Any]:
         c, cfg, setup = self.counters, self.setup.cfg, self.setup
+        writes = self.writes()
         t0 = time.perf_counter()
         live = self.members.live(max(c.step - 1, 0))
         covered = None if self.held is None else set().union(*(h for h, a in zip(self.held, live.tolist()) if a))
@@ -495,7 +567,7 @@ class _Metrics:
         now = time.perf_counter()
         c.eval_s += now - t0
         row["wall_time_s"] = c.wall_time_s + now - self.t_start
-        if self.writer:
+        if writes:
             append_metrics(self.run_dir, row)
         self.bar.report(row)
         c.train_loss_sum, c.train_loss_count = 0.0, 0

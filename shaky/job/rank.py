@@ -24,15 +24,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shaky.comm.gloo import DistComm, JoinStore, broadcast_object, rendezvous_store
+from shaky.comm.gloo import DistComm, JoinStore, broadcast_object, gather_object, rendezvous_store
 from shaky.comm.staged import StagedComm
 from shaky.comm.udp.comm import udp_comm
 from shaky.config import MACHINE_SETTINGS, first_difference, machine_settings, to_dict
 from shaky.errors import AloneBadInput, BadInput, Stop
 from shaky.job.checks import check_same_config, check_taken_back, claim_run_dir, faults, other_inputs
+from shaky.job import keeper
 from shaky.job.env import JobEnv
-from shaky.job.rendezvous import (NoStore, RankTaken, init_group, job_keys, no_group, publish_run, run_in_progress,
-                                  say_ended)
+from shaky.job.rendezvous import (NoStore, RankTaken, init_group, job_keys, no_group, publish_run, rank_0_joins,
+                                  run_in_progress, say_ended)
 from shaky.job.stop import checkpoint_note, dist_command, launcher, stopping
 from shaky.launch import tell_launcher
 from shaky.membership import Agreed, Members, Scheduled
@@ -42,15 +43,18 @@ from shaky.progress import say
 from shaky.resumable import check_params
 from shaky.rundir import CHECKPOINT_FILE, load_checkpoint, read_machines
 from shaky.setup import inputs_digest, measured_compute_ms
-from shaky.train import schedule_of, train
+from shaky.train import Writers, schedule_of, train
 
 
 def joining(env: JobEnv, timeout_s: float) -> JoinStore | None:
-    """A process of a torchrun-style job (RANK > 0) started again for a rank that died: the run in progress
-    at MASTER_ADDR:MASTER_PORT (:func:`shaky.job.rendezvous.run_in_progress`), else None."""
-    if env.rank is None or env.rank == "0" or env.master_port is None:
+    """A process of a torchrun-style job started again for a rank that died: the run in progress at
+    MASTER_ADDR:MASTER_PORT (:func:`shaky.job.rendezvous.run_in_progress`; for rank 0, where its run's keeper
+    still serves the port: :func:`shaky.job.rendezvous.rank_0_joins`), else None."""
+    if env.rank is None or env.master_port is None:
         return None
     try:
+        if env.rank == "0":
+            return rank_0_joins(env, timeout_s)
         return run_in_progress(env, timeout_s)
     except RankTaken as exc:    # said here: rank 0 does not know of this process
         raise AloneBadInput(str(exc)) from None
@@ -61,7 +65,8 @@ def joining(env: JobEnv, timeout_s: float) -> JoinStore | None:
 
 def rejoin(env: JobEnv, setup: Any, joining: Any, *, quiet: bool) -> int:
     """A process started again for a dead rank of a udp run: the survivors take it back at a step's start and it
-    trains on with them; it never writes the run directory (rank 0 does)."""
+    trains on with them; it writes the run directory only once the writer and the ranks before it in
+    :class:`~shaky.train.Writers`' order are left out (the survivors hand it both)."""
     cfg, record, rank = setup.cfg, joining.record, joining.rank
     where = f"{env.master_addr}:{env.master_port}"
     if record.get("transport") != "udp":
@@ -99,11 +104,19 @@ def rejoin(env: JobEnv, setup: Any, joining: Any, *, quiet: bool) -> int:
         if not quiet:
             say(f"shaky: rank {rank}: taken back at step {welcome['counters']['step']}, "
                 f"{agreement.join_wait_s:.2f} s after asking")
-        comm = staged(comm, setup)
+        store, comm = comm.store, staged(comm, setup)
+        writers = Writers(rank, [])
         with stopping(run_dir, dist_command(env), writer=False):
-            train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
-                  faults=faults(env), welcome=welcome, members=Agreed(agreement, schedule_of(cfg)))
+            summary = train(setup, run_dir, comm=comm, writer=False, label=cfg.strategy.name, progress=False,
+                            faults=faults(env), welcome=welcome, members=Agreed(agreement, schedule_of(cfg)),
+                            writers=writers)
+        if writers.mine:
+            say_ended(store, job_keys(env).ended)
         comm.barrier()
+        if writers.mine:
+            if not quiet:
+                print(json.dumps(summary, indent=2))
+            print(f"run directory: {run_dir}")
     except (LeftBehind, ForgedRecord) as exc:
         say(f"shaky: error: {exc}")
         return 3
@@ -127,7 +140,7 @@ def ask_to_be_taken_back(env: JobEnv, setup: Any, left_behind: LeftBehind, *, qu
     trains on from their state. Status 3 with one line if the run has ended meanwhile."""
     rank = int(env.rank or 0)
     try:
-        joining = run_in_progress(env, setup.cfg.dist_timeout_s)
+        joining = run_in_progress(env, setup.cfg.dist_timeout_s, again=True)
     except (NoStore, RankTaken):
         joining = None
     if joining is None:     # the run ended (or its store went with rank 0)
@@ -148,7 +161,7 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
     """One worker of a torchrun job: rank 0 picks the run directory and writes it; all ranks train."""
     cfg = setup.cfg
     try:
-        init_group(env, cfg.dist_timeout_s)
+        init_group(env, cfg.dist_timeout_s, cfg.dist.heartbeat_timeout_s)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     except RuntimeError as exc:     # DistStoreError, DistNetworkError: a rank that never came, a store that went
@@ -188,6 +201,9 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
     # Every rank must agree on what rank 0 decided or measured.
     shown, resolved, host = broadcast_object((str(run_dir), str(run_dir.resolve()), socket.gethostname()))
     run_dir, writer = Path(shown), comm.rank == 0
+    # With live membership the run directory outlives rank 0: the first live rank on its machine writes it.
+    writers = Writers(comm.rank, [r for r, h in enumerate(gather_object(socket.gethostname())) if h == host]) \
+        if isinstance(members, Agreed) else None
     # Where this rank may read the run directory for its lines: rank 0's machine only (elsewhere a copy of it
     # under the same name could be stale).
     local = run_dir if writer else Path(resolved) if host == socket.gethostname() else None
@@ -208,7 +224,9 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
     try:
         with stopping(run_dir, dist_command(env), writer=writer):
             summary = train(setup, run_dir, comm=comm, resume=resume, writer=writer,
-                            label=cfg.strategy.name, progress=not quiet, faults=faults(env), members=members)
+                            label=cfg.strategy.name, progress=not quiet, faults=faults(env), members=members,
+                            writers=writers)
+        writer = writers.mine if writers is not None else writer
         if writer:
             say_ended(comm.store, keys.ended)
         # Tear down together: a rank that leaves while another still talks to it can abort the other.
@@ -218,7 +236,7 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
             say(f"shaky: {exc}")
         raise Stop("", exc.code) from None
     except LeftBehind as exc:
-        if writer:      # rank 0 hosts the control store: the others cannot have gone on without it
+        if writer and keeper.hosted() is None:  # rank 0 hosts the control store: the others cannot go on without it
             end_run(comm, keys.ended)
             say(f"shaky: error: {exc}; last checkpoint: {checkpoint_note(run_dir, dist_command(env), local)}")
             return 3

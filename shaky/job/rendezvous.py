@@ -6,6 +6,7 @@ Every value of the environment comes from the :class:`~shaky.job.env.JobEnv` pas
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from shaky.comm.gloo import JoinStore
 from shaky.errors import Stop
+from shaky.job import keeper
 from shaky.job.env import JobEnv
 from shaky.launch import EXIT_BAD_INPUT
 
@@ -64,11 +66,12 @@ def say_ended(store: Any, key: str) -> None:
     store.set(key, "1")
 
 
-def init_group(env: JobEnv, timeout_s: float) -> None:
+def init_group(env: JobEnv, timeout_s: float, heartbeat_timeout_s: float) -> None:
     """Joins the process group that torchrun describes in the environment.
 
     Training runs on the CPU, so the group is gloo; collectives that wait longer
-    than ``timeout_s`` fail instead of hanging.
+    than ``timeout_s`` fail instead of hanging. Rank 0 joins through the keeper's store
+    (:func:`rank_0_store`) where no torchrun agent hosts it.
     """
     if dist.is_initialized():
         return
@@ -78,7 +81,35 @@ def init_group(env: JobEnv, timeout_s: float) -> None:
     if missing:
         raise ValueError(f"backend dist must be started by torchrun (the environment lacks {', '.join(missing)}); "
                          "e.g. torchrun --nproc-per-node 4 -m shaky train --backend dist ...")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))   # env:// (torch reads the same)
+    store = rank_0_store(env, timeout_s, heartbeat_timeout_s)
+    if store is None:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))   # env:// (torch reads the same)
+    else:
+        # Under the prefix torch's env:// rendezvous gives the other ranks' stores.
+        dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
+                                world_size=env.num_ranks, timeout=timedelta(seconds=timeout_s))
+
+
+def rank_0_store(env: JobEnv, timeout_s: float, heartbeat_timeout_s: float) -> dist.Store | None:
+    """Rank 0, where no torchrun agent hosts the rendezvous store: starts the keeper on MASTER_PORT
+    (:mod:`shaky.job.keeper`; once a process) and returns a client of its store, as every other rank has. None
+    for any other rank, or under torchrun's agent store. A port in use raises DistNetworkError naming EADDRINUSE
+    (:func:`port_taken` says it in one line)."""
+    rank, world, host, port = _job_address(env)
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    if rank != 0 or rendezvous._torchelastic_use_agent_store():
+        return None
+    if keeper.hosted() is None:
+        old = keeper.found(host, port)
+        if old is not None and keeper.over(old, world):     # the keeper of a run that is over: it goes
+            keeper.retire(old, port, timeout_s)
+        try:
+            keeper.start(host, port, world=world, attempt=env.restart_count, timeout_s=timeout_s,
+                         heartbeat_timeout_s=heartbeat_timeout_s)
+        except OSError as exc:
+            raise dist.DistNetworkError(f"the keeper cannot listen on port {port}: {exc} "
+                                        f"({'EADDRINUSE' if exc.errno == errno.EADDRINUSE else exc.errno})") from None
+    return dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 class NoStore(RuntimeError):
@@ -100,14 +131,16 @@ def _knock(host: str, port: int, deadline: float) -> str | None:
             time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
 
 
-def run_in_progress(env: JobEnv, timeout_s: float) -> JoinStore | None:
+def run_in_progress(env: JobEnv, timeout_s: float, *, again: bool = False) -> JoinStore | None:
     """For a process of rank > 0 before it joins the process group: the rendezvous store and the run record when
     a run is already in progress at MASTER_ADDR:MASTER_PORT (this process was started again for a rank that died),
     else None (the run starts: rank 0 publishes its record only after every rank has joined). Waits up to
-    ``timeout_s`` for the store to come up, as joining the group would."""
+    ``timeout_s`` for the store to come up, as joining the group would. ``again``: rank 0 too (a process started
+    again for it finds its run's keeper serving MASTER_PORT, :func:`rank_0_joins`; a rank 0 the others left out
+    asks to be taken back)."""
     rank, world = int("0" if env.rank is None else env.rank), env.num_ranks
     host, port, k = env.master_addr, env.master_port, job_keys(env)
-    if rank == 0 or not host or not port:
+    if (rank == 0 and not again) or not host or not port:
         return None
     deadline = time.monotonic() + timeout_s
     why = _knock(host, int(port), deadline)
@@ -119,12 +152,35 @@ def run_in_progress(env: JobEnv, timeout_s: float) -> JoinStore | None:
     except (RuntimeError, ValueError):   # the store went again: joining the group will say so
         return None
     if not raw.check([k.run]) or raw.check([k.ended]):
-        _claim_rank(env, raw, rank)
+        if rank != 0:
+            _claim_rank(env, raw, rank)
         return None
     record = json.loads(raw.get(k.run).decode())
     if record.get("transport") != "udp":    # gloo takes no rank back: another process as this rank is a second one
+        if rank == 0:
+            return None
         _claim_rank(env, raw, rank)
     return JoinStore(raw, rank, world, record)
+
+
+def rank_0_joins(env: JobEnv, timeout_s: float) -> JoinStore | None:
+    """Rank 0 at its start, where its run's keeper may still serve MASTER_PORT (:mod:`shaky.job.keeper`): the
+    run in progress that a process started again for rank 0 joins (udp, not ended), else None. A keeper whose
+    run is over (ended, stopped, a gloo run) is told to go, and the port is waited for, so that this rank 0
+    starts a run of its own on it (a port held by anything else is said by :func:`port_taken`)."""
+    if env.master_port is None or env.rank != "0" or keeper.hosted() is not None:
+        return None
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    if rendezvous._torchelastic_use_agent_store():
+        return None
+    host, port = env.master_addr or "127.0.0.1", int(env.master_port)
+    raw = keeper.found(host, port)
+    if raw is None:     # (held by something else: port_taken says so when rank 0 binds the port)
+        return None
+    if keeper.over(raw, env.num_ranks):
+        keeper.retire(raw, port, timeout_s)
+        return None
+    return run_in_progress(env, timeout_s, again=True)
 
 
 class RankTaken(ValueError):
@@ -145,8 +201,8 @@ def _claim_rank(env: JobEnv, store: dist.Store, rank: int) -> None:
 
 
 _early_stores: list[dist.Store] = []
-"""Rank 0's own handle on the rendezvous store, opened before the process group: it hosts the store there (torch's
-server is shared by every TCPStore of the process on that port), and must outlive the group's handle."""
+"""Rank 0's own handle on the rendezvous store, opened before the process group (a client of the keeper's store,
+or of torchrun's agent's), kept for the process's life."""
 
 
 def _required(value: str | None, name: str) -> str:
@@ -165,20 +221,17 @@ def _job_address(env: JobEnv) -> tuple[int, int, str, int]:
                          f"MASTER_ADDR and MASTER_PORT: {exc})") from None
 
 
-def hand_out_resume(env: JobEnv, answer: dict[str, Any], timeout_s: float) -> None:
+def hand_out_resume(env: JobEnv, answer: dict[str, Any], timeout_s: float, heartbeat_timeout_s: float) -> None:
     """Rank 0 of a resumed run, before it joins the process group: sets ``answer`` (``{"config", "run_dir"}``,
     or ``{"error"}``) in the rendezvous store, which it opens as joining the group would (hosting it, unless
     torchrun's agent does). With an error it then waits, at most ``timeout_s``, until every other rank has read
     it: the store may go with this process, and they would wait for it until their timeout."""
     _, world, host, port = _job_address(env)
     k = job_keys(env)
-    # As torch.distributed's env:// rendezvous makes it, without waiting for the other ranks to join (they join
-    # the group later, and the group's handle waits for them). The package's name `rendezvous` is a function.
-    rendezvous = importlib.import_module("torch.distributed.rendezvous")
-    hosts = not rendezvous._torchelastic_use_agent_store()
-    store = dist.TCPStore(host, port, world if hosts else None, is_master=hosts, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False, multi_tenant=hosts,
-                          use_libuv=rendezvous._get_use_libuv_from_query_dict({}))
+    # The keeper's store (rank_0_store), or torchrun's agent's, without waiting for the other ranks to join (they
+    # join the group later, and the group's handle waits for them).
+    store = rank_0_store(env, timeout_s, heartbeat_timeout_s) or dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     _early_stores.append(store)
     store.set(k.resume, json.dumps(answer))
     if "error" in answer:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shaky.config import DIST_TIMEOUT_S, config_from_dict, load_toml, to_dict, with_settings
+from shaky.config import DIST_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, config_from_dict, load_toml, to_dict, with_settings
 from shaky.errors import BadInput, Stop
 from shaky.job.env import JobEnv
 from shaky.job.rendezvous import NoResume, hand_out_resume, port_taken, resumed_run
@@ -45,7 +45,7 @@ def hand_out_config(env: JobEnv, run_dir: Path, own: dict[str, Any]) -> Any:
     except BadInput as exc:
         if env.num_ranks > 1:
             say(f"shaky: error: {exc}")
-            hand_out_resume(env, {"error": str(exc)}, RESUME_ERROR_WAIT_S)
+            hand_out_resume(env, {"error": str(exc)}, RESUME_ERROR_WAIT_S, HEARTBEAT_TIMEOUT_S)
             raise Stop("", EXIT_BAD_INPUT) from None
         raise
     if cfg.backend != "dist":   # a simulator run resumed where RANK is set (started by torchrun, a cluster's job)
@@ -53,7 +53,7 @@ def hand_out_config(env: JobEnv, run_dir: Path, own: dict[str, Any]) -> Any:
     if env.num_ranks > 1:
         try:
             hand_out_resume(env, {"config": to_dict(cfg), "run_dir": str(run_dir.resolve()), "machines": machines},
-                            cfg.dist_timeout_s)
+                            cfg.dist_timeout_s, cfg.dist.heartbeat_timeout_s)
         except RuntimeError as exc:     # DistNetworkError: the port is taken, the address is not this machine's
             raise port_taken(env, str(exc)) or Stop(
                 f"error: rank 0 cannot open the rendezvous store at {env.master_addr}:"

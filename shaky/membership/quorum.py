@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from shaky.comm.udp.sockets import bind_first_free
+from shaky.job import keeper
 from shaky.membership.heartbeat import HEARTBEAT_JOIN_S
 from shaky.membership.mail import MAIL_RECORD_BYTES, RoundMail
 
@@ -242,14 +243,15 @@ class Quorum:
                 str(self.rank) not in self.opened(self.live_key, store.get(self.live_key)).decode().split(","):
             raise self._left_behind()
 
-    def leave(self) -> None:
-        """This rank's last use of the store. Rank 0, whose process hosts the store, waits until every
-        other live rank says it is done with it (at most ``timeout_s``; a rank may have died since the last
-        round): a store that went first would take the others' last round with it, and with packet loss they
-        can be that far behind (they stopped with "rank 0 ... is gone" after a finished run)."""
+    def leave(self, hosts: bool) -> None:
+        """This rank's last use of the store. A rank whose process hosts the store (``hosts``: rank 0 under
+        torchrun's agent store) waits until every other live rank says it is done with it (at most
+        ``timeout_s``; a rank may have died since the last round): a store that went first would take the
+        others' last round with it, and with packet loss they can be that far behind (they stopped with "rank 0
+        ... is gone" after a finished run). The keeper waits for every heartbeat to stop by itself."""
         self._sweeper.stop()
         try:
-            if self.rank != 0:
+            if not hosts:
                 self._store.set(f"{self.prefix}/left/{self.rank}", "1")
                 return
             others = [f"{self.prefix}/left/{r}" for r in self.live if r != self.rank]
@@ -413,22 +415,29 @@ _RECORD, _DEAD = b"R", b"D"
 
 
 class ControlStore:
-    """Where the control plane's rounds (:class:`Quorum`) are held: a TCPStore that rank 0 hosts in its own
-    process, on the first free TCP port of ``dist.ports`` at its address (``dist.host``). Every rank learns
-    the address from the rendezvous store (``key``), a process started again for a rank too.
+    """Where the control plane's rounds (:class:`Quorum`) are held, an address every rank learns from the
+    rendezvous store (``key``), a process started again for a rank too.
 
-    Not the rendezvous store itself: torchrun's agent hosts that one, out of reach of shaky's processes, and
-    with packets lost its answers wait TCP's 200 ms minimum before they are sent again (shaky lowers it on the
-    sockets of its own processes only, :func:`shorten_store_retransmits`); 4 ranks, 5% of packets lost,
-    ``torchrun --standalone``: about 200 ms a step, against about 40 with the rounds in rank 0's process.
-    Rank 0 cannot move anyway (it writes the run directory), so hosting the rounds costs no survival.
+    - Ranks started by hand or by ``shaky launch``: the rendezvous store itself, which the keeper serves
+      (:mod:`shaky.job.keeper`), a process of its own that outlives any rank, rank 0 included, and whose
+      sockets have TCP's retransmission timeout lowered (:func:`shorten_store_retransmits`).
+    - Under torchrun's agent, which hosts the rendezvous store out of reach of shaky's processes (with packets
+      lost, its answers wait TCP's 200 ms minimum before they are sent again; 4 ranks, 5% of packets lost,
+      ``torchrun --standalone``: about 200 ms a step, against about 40 with the rounds in rank 0's process): a
+      TCPStore that rank 0 hosts in its own process, on the first free TCP port of ``dist.ports`` at its
+      address (``dist.host``). torchrun's agent stops every rank when one fails, so this costs no survival.
     """
 
     def __init__(self, rendezvous: dist.Store, key: str, rank: int, host: str, ports: range, timeout_s: float,
                  joining: bool) -> None:
         self.timeout_s = timeout_s
         self._server: dist.TCPStore | None = None
-        if rank == 0 and not joining:
+        kept = keeper.hosted()
+        self.hosted = rank == 0 and not joining and kept is None
+        """Whether this process hosts the store (rank 0 under torchrun's agent store); else the keeper does."""
+        if rank == 0 and not joining and kept is not None:     # the rendezvous store, in the keeper's process
+            rendezvous.set(key, f"ok {kept[0]} {kept[1]}")
+        elif self.hosted:
             listener = None
             try:
                 listener = bind_first_free(host, ports, socket.SOCK_STREAM)
@@ -452,7 +461,8 @@ class ControlStore:
         """The control store's (host, port)."""
 
     def close(self) -> None:
-        """Rank 0: stops serving (after every other live rank is done with it, :meth:`Quorum.leave`)."""
+        """Stops serving, where this process hosts the store (after every other live rank is done with it,
+        :meth:`Quorum.leave`)."""
         self._server = None
 
 

@@ -272,7 +272,7 @@ class QuorumControl:
         close_data()
         for pool in self._threads:
             pool.shutdown(wait=True, cancel_futures=True)
-        self._quorum.leave()
+        self._quorum.leave(self._store.hosted)
         self._mail.close()
         self._store.close()
 

@@ -1,0 +1,171 @@
+"""The run's store in a process of its own: the keeper, which outlives any rank, rank 0 included.
+
+Where no torchrun agent hosts the rendezvous store (ranks started by hand, ``shaky launch``), torch would host it
+in rank 0's process: rank 0's death would take with it every key the survivors need (the control rounds, the
+heartbeats, the addresses, the record a process started again reads). Rank 0 instead binds MASTER_PORT, starts a
+keeper on that socket (``python -m shaky.job.keeper``, in a session of its own, with nothing of rank 0's open), and
+joins the store as a client, as every other rank does. The keeper serves the store (torch's TCPStore, the same
+server) and nothing else: it averages nothing and holds no key, so it is no rank. The udp transport's control
+rounds use the same store (``shaky.membership.quorum.ControlStore``), so any rank may die.
+
+The keeper ends by itself: once the run has ended (the attempt's ``ended`` key) and every heartbeat has stopped,
+or once no heartbeat has moved for :func:`quiet_s` (every rank is gone), or when nobody came within the start's
+timeout. It lives on rank 0's machine: the death of that machine, not of a process, still ends the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+KEEPER_KEY = "shaky/keeper"
+"""Set by the keeper once it serves: its process id (a rank 0 started again finds its run's keeper by it)."""
+GO_KEY = "shaky/keeper/go"
+"""Set by a rank 0 that starts a new run where a keeper of a run that is over still serves: it goes at once."""
+LOOK_S = 0.25
+"""How often the keeper looks at the heartbeats and the ended key."""
+ENDED_QUIET_S = 1.0
+"""After the run ended, the keeper waits this long without any heartbeat moving (every rank has closed its
+heartbeat, the last use of the store) before it goes."""
+
+_hosted: tuple[str, int] | None = None
+"""(MASTER_ADDR, MASTER_PORT) where this process started the keeper (None: it started none)."""
+
+
+def quiet_s(heartbeat_timeout_s: float) -> float:
+    """How long the keeper serves with no heartbeat moving before it takes every rank for gone."""
+    return max(10.0, 4 * heartbeat_timeout_s)
+
+
+def hosted() -> tuple[str, int] | None:
+    """(MASTER_ADDR, MASTER_PORT) of the keeper this process started, or None."""
+    return _hosted
+
+
+def port_free(port: int) -> bool:
+    """Whether this machine's ``port`` can be listened on now."""
+    try:
+        listen(port).close()
+    except OSError:
+        return False
+    return True
+
+
+def found(host: str, port: int) -> object | None:
+    """A client of the keeper serving ``port`` (its :data:`KEEPER_KEY` set), or None: the port is free, or
+    held by something else."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if port_free(port):
+        return None
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5.0))
+        return store if store.check([KEEPER_KEY]) else None
+    except (RuntimeError, ValueError):      # not a store
+        return None
+
+
+def over(store: object, world: int) -> bool:
+    """Whether the run of the keeper behind ``store`` is over: no rank's heartbeat moves (every rank beats every
+    ``shaky.membership.heartbeat.HEARTBEAT_S``, 0.25 s)."""
+    beats = [f"shaky/beat/{r}" for r in range(world)]
+    before = [int(store.add(k, 0)) for k in beats]      # type: ignore[attr-defined]
+    time.sleep(4 * 0.25)
+    return before == [int(store.add(k, 0)) for k in beats]      # type: ignore[attr-defined]
+
+
+def retire(store: object, port: int, timeout_s: float) -> None:
+    """Tells the keeper behind ``store`` (a client) to go, and waits at most ``timeout_s`` for ``port`` to be
+    free."""
+    with contextlib.suppress(RuntimeError):
+        store.set(GO_KEY, "1")      # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    while not port_free(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def listen(port: int) -> socket.socket:
+    """A TCP socket listening on ``port`` of every address of this machine (as torch's own store listens);
+    OSError (EADDRINUSE) when the port is taken."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=1024)
+    return socket.create_server(("", port), backlog=1024)
+
+
+def start(host: str, port: int, *, world: int, attempt: str, timeout_s: float, heartbeat_timeout_s: float) -> None:
+    """Rank 0: binds ``port`` and starts the keeper on it (OSError where the port is taken: nothing started).
+    Returns at once; a client that connects meanwhile waits in the socket's backlog."""
+    global _hosted
+    listener = listen(port)
+    try:
+        subprocess.Popen(
+            [sys.executable, "-m", "shaky.job.keeper", "--fd", str(listener.fileno()), "--port", str(port),
+             "--world", str(world), "--attempt", attempt, "--timeout", repr(float(timeout_s)),
+             "--quiet", repr(quiet_s(heartbeat_timeout_s))],
+            pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        listener.close()    # the keeper holds it now
+    _hosted = (host, port)
+
+
+def serve(fd: int, port: int, world: int, attempt: str, timeout_s: float, quiet: float) -> None:
+    """The keeper's life (see the module): serves the store on the listening socket ``fd`` until the run is
+    over."""
+    import torch.distributed as dist  # noqa: PLC0415 (the keeper's own process)
+
+    from shaky.job.rendezvous import keys  # noqa: PLC0415
+    from shaky.membership.quorum import shorten_store_retransmits  # noqa: PLC0415
+
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
+                           timeout=timedelta(seconds=timeout_s))
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=max(timeout_s, 10.0)))
+    shorten_store_retransmits(port)     # the listener (the connections it accepts inherit it), and its own client
+    client.set(KEEPER_KEY, str(os.getpid()))
+    ended = keys(attempt).ended
+    beats = [f"shaky/beat/{r}" for r in range(world)]
+    started = moved = time.monotonic()
+    last: list[int] | None = None
+    ended_at: float | None = None
+    while True:
+        time.sleep(LOOK_S)
+        now = time.monotonic()
+        try:
+            seen = [int(client.add(k, 0)) for k in beats]
+            if ended_at is None and client.check([ended]):
+                ended_at = now
+            if client.check([GO_KEY]):
+                break
+        except RuntimeError:
+            return
+        if seen != last:
+            last, moved = seen, now
+        if ended_at is not None and now - max(moved, ended_at) >= ENDED_QUIET_S:
+            break       # the run ended and every rank has closed its heartbeat
+        if any(seen) and now - moved >= quiet:
+            break       # every rank is gone
+        if not any(seen) and now - started >= timeout_s + quiet:
+            break       # nobody came
+    del client, server
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m shaky.job.keeper")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--attempt", required=True)
+    parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--quiet", type=float, required=True)
+    a = parser.parse_args(argv)
+    serve(a.fd, a.port, a.world, a.attempt, a.timeout, a.quiet)
+
+
+if __name__ == "__main__":
+    main()
