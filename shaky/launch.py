@@ -12,16 +12,17 @@ machine the launcher also makes the run's udp key and hands it to its ranks in t
 
 Rules, in :func:`restart_decision`: a rank whose process is killed by a signal or exits with a status other
 than 0, 2 (bad input: a new process would find the same) or 128 + SIGINT/SIGTERM (stopped on request) is
-started again, at most ``max_restarts`` times per rank, while rank 0 runs (rank 0 hosts the run's stores and
-writes the run directory: it cannot be taken back, and when it has ended there is no run to rejoin), and only
-on the udp transport (each rank tells the launcher the transport and the run directory through a file,
-:func:`tell_launcher`, and whether it ended because the run stopped: such a rank has no run to rejoin). A run
-that stops as a whole (rank 0 died, or on gloo any rank) is started again as a whole once every rank here has
-ended (:func:`group_restart_decision`): every rank with ``--resume`` of the run directory, from its last
-checkpoint, at most ``max_restarts`` times, as torchrun restarts a group. Over several machines each launcher
-does so for its own ranks: rank 0's when rank 0 failed or stopped with the run, another's when its ranks
-stopped with the run (status 3; on gloo, any failure); only rank 0 reads the run directory, the others get what
-they need from it. SIGINT and SIGTERM to the launcher are passed on to every rank (each stops
+started again, at most ``max_restarts`` times per rank, rank 0 included (the run's store lives in a keeper
+process of its own, ``shaky.job.keeper``, and the run directory's writing moves to the next live rank on its
+machine), while the run goes on (rank 0 here has not finished, and the rank did not end because the run
+stopped), and only on the udp transport (each rank tells the launcher the transport and the run directory
+through a file, :func:`tell_launcher`, and whether it ended because the run stopped: such a rank has no run to
+rejoin). A run that stops as a whole (on gloo any rank's failure; on udp a rank that says the run stopped) is
+started again as a whole once every rank here has ended (:func:`group_restart_decision`): every rank with
+``--resume`` of the run directory, from its last checkpoint, at most ``max_restarts`` times, as torchrun
+restarts a group. Over several machines each launcher does so for its own ranks: rank 0's when rank 0 failed
+or stopped with the run, another's when its ranks stopped with the run (status 3; on gloo, any failure); only
+rank 0 reads the run directory, the others get what they need from it. SIGINT and SIGTERM to the launcher are passed on to every rank (each stops
 after the same step with a checkpoint, as under torchrun); the ranks run in a session of their own, so a
 terminal's Ctrl-C reaches them once, through the launcher, and they get SIGTERM if the launcher itself dies.
 
@@ -57,7 +58,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL_S = 0.05
 """How often the launcher looks at its ranks (a restart waits at most this long to start)."""
 _PR_SET_PDEATHSIG = 1
-RANK0_STAYS_DOWN = "rank 0 hosts the run's stores and writes its directory: it cannot be taken back"
 NO_RESTARTS_LEFT = "it has no restarts left"
 LAUNCHED_BY = "SHAKY_LAUNCHED_BY"
 """Set in each rank's environment: the launcher's command line up to ``train`` (a rank's lines that say how to
@@ -158,14 +158,13 @@ def _ended_on_purpose(status: int, stopping: bool) -> str | None:
 def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts: int, rank0_running: bool,
                      stopping: bool, transport: str | None, run_stopped: bool = False) -> str | None:
     """Why the rank whose process ended with ``status`` (Popen's: negative for a signal) is not started again
-    alone, or None when it is. ``transport``: the run's, None while not known yet; ``run_stopped``: the rank
-    said it ended because the run stopped (its rank 0 went)."""
+    alone, or None when it is. ``rank0_running``: rank 0 has not ended here (on udp: has not finished or
+    stopped with the run; one that died is started again itself); ``transport``: the run's, None while not known
+    yet; ``run_stopped``: a rank here said it ended because the run stopped (its store went)."""
     why = _ended_on_purpose(status, stopping)
     if why is not None:
         return why
-    if rank == 0:
-        return RANK0_STAYS_DOWN
-    if not rank0_running or run_stopped:
+    if (not rank0_running and rank != 0) or run_stopped:
         return "rank 0 has ended: there is no run to rejoin"
     if transport != "udp":
         return ONLY_UDP_TAKES_BACK
@@ -186,7 +185,7 @@ def group_restart_decision(statuses: dict[int, int], *, restarts_used: int, max_
         why = _ended_on_purpose(status, stopping)
         if why is not None:
             return why
-    if 0 not in statuses and transport == "udp" and EXIT_RUN_STOPPED not in statuses.values():
+    if transport == "udp" and EXIT_RUN_STOPPED not in statuses.values():
         return RUN_GOES_ON
     if restarts_used >= max_restarts:
         return f"{NO_RESTARTS_LEFT} ({restarts_used} of --max-restarts {max_restarts})"
@@ -224,16 +223,14 @@ def describe(status: int) -> str:
 
 def exit_status(statuses: dict[int, int]) -> int:
     """The launcher's status from its ranks' last ones (by rank), a death by signal N counted as 128 + N, as a
-    shell does: rank 0's where it ran here (the run finished if it did: a rank lost on the way is membership,
-    said in a line and in summary.json); elsewhere 0 if a rank here finished, else the lowest rank's."""
+    shell does: 0 if a rank here finished (the run finished: a rank lost on the way, rank 0 included, is
+    membership, said in a line and in summary.json), else rank 0's where it ran here, else the lowest rank's."""
     def shell(status: int) -> int:
         return 128 - status if status < 0 else status
 
-    if 0 in statuses:
-        return shell(statuses[0])
     if any(status == 0 for status in statuses.values()):
         return 0
-    return shell(statuses[min(statuses)])
+    return shell(statuses[0 if 0 in statuses else min(statuses)])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -507,11 +504,14 @@ class Launcher:
             if self.logs is not None:
                 self.logs.drain(rank)   # its last lines before the launcher's line about it
             rank0 = self.procs.get(0)   # (on another machine: a process started again finds out itself)
+            transport = self._run_info().get("transport")
+            ended = None if rank0 is None else rank0.poll()     # on udp a dead rank 0 is started again itself
             why = restart_decision(rank, status, restarts_used=self.restarts[rank],
                                    max_restarts=self.cfg.max_restarts,
-                                   rank0_running=rank0 is None or rank0.poll() is None,
-                                   stopping=self.stopping is not None, transport=self._run_info().get("transport"),
-                                   run_stopped=bool(self._run_info([rank]).get("stopped")))
+                                   rank0_running=ended is None or (transport == "udp" and ended not in (
+                                       0, EXIT_BAD_INPUT, EXIT_RUN_STOPPED)),
+                                   stopping=self.stopping is not None, transport=transport,
+                                   run_stopped=any(self._run_info([r]).get("stopped") for r in self.procs))
             if why is None:
                 self.restarts[rank] += 1
                 self.say(f"rank {rank} {describe(status)}; starting it again ({self.restarts[rank]} of "

@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
 from shaky.cli import main
 from shaky import launch
-from shaky.launch import (LAUNCHED_BY, NO_RESTARTS_LEFT, NOT_TOLD, NOT_WRITTEN, ONLY_UDP_TAKES_BACK, RANK0_STAYS_DOWN,
+from shaky.launch import (LAUNCHED_BY, NO_RESTARTS_LEFT, NOT_TOLD, NOT_WRITTEN, ONLY_UDP_TAKES_BACK,
                           RUN_GOES_ON, Launcher, LaunchConfig, exit_status, group_restart_decision,
                           free_port, restart_decision, resume_args, train_command)
 
@@ -79,26 +80,26 @@ def test_log_dir_keeps_each_rank_s_output_behind_a_header_per_process_and_still_
 
 @pytest.mark.parametrize("restarts", [0, 1])
 @pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
-def test_a_dead_rank_0_stops_the_run_and_the_launcher_resumes_every_rank(restarts: int, tmp_path: Path) -> None:
-    """udp: rank 0, which hosts the stores, gets SIGKILL before step 25; the others stop, saying how to resume under
-    the launcher, and with a restart left the launcher does just that for every rank (the run finishes, status 0);
-    without one it says so and its status is rank 0's (137)."""
+def test_a_dead_rank_0_is_started_again_alone_and_the_others_train_on(restarts: int, tmp_path: Path) -> None:
+    """udp: rank 0 gets SIGKILL before step 25. The run's store is the keeper's, so the others train on (rank 1
+    writes the run directory from then on); with a restart left the launcher starts rank 0 again alone and it
+    is taken back, without one it says so. Either way the run finishes all its steps, and the launcher's status
+    is 0 (a rank lost on the way is membership)."""
     code, err = _finish(_launch(tmp_path, 200, "kill:0:25", restarts=restarts))
-    run = tmp_path / "run"
-    gone = [line for line in err.splitlines() if "which hosts the run's store, is gone" in line]
-    resume = f"`shaky launch --nproc-per-node 3{' --max-restarts 1' if restarts else ''} train ... --resume {run}`"
-    assert len(gone) == 2 and all(resume in line for line in gone), err
-    assert "starting it again" not in err, err
+    assert code == 0, err[-3000:]
+    assert "is gone" not in err and "--resume" not in err, err[-3000:]
+    assert "shaky: rank 1 writes the run directory from step" in err, err[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 200, summary
+    changes = summary["udp"]["membership_changes"]
     if restarts:
-        assert code == 0, err[-3000:]
-        assert ("shaky launch: rank 0 killed by SIGKILL and the run stopped; starting every rank again from its last "
-                f"checkpoint: train --resume {run} (1 of 1)") in err, err
-        summary = json.loads((run / "summary.json").read_text())
-        assert summary["steps"] == 200 and summary["live_workers"] == 3, summary
+        assert "shaky launch: rank 0 killed by SIGKILL; starting it again (1 of 1)" in err, err
+        assert summary["live_workers"] == 3 and [c["live"] for c in changes] == [[1, 2], [0, 1, 2]], changes
+        assert changes[1]["rejoined"] == [0], changes
     else:
-        assert code == 128 + signal.SIGKILL, err[-3000:]
-        assert ("shaky launch: rank 0 killed by SIGKILL and the run stopped; not started again: "
+        assert ("shaky launch: rank 0 killed by SIGKILL; not started again: "
                 f"{NO_RESTARTS_LEFT} (0 of --max-restarts 0)") in err, err
+        assert summary["live_workers"] == 2 and [c["live"] for c in changes] == [[1, 2]], changes
 
 
 @pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
@@ -191,7 +192,8 @@ def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step_with_a_ch
     (2, 3, 0, True, False, None),                  # left out after a freeze: taken back when started again
     (2, -signal.SIGKILL, 1, True, False, NO_RESTARTS_LEFT),
     (2, -signal.SIGKILL, 0, False, False, "rank 0 has ended"),
-    (0, -signal.SIGKILL, 0, True, False, RANK0_STAYS_DOWN),
+    (0, -signal.SIGKILL, 0, True, False, None),    # udp: rank 0 too (the store is the keeper's)
+    (0, -signal.SIGKILL, 0, True, False, ONLY_UDP_TAKES_BACK),   # gloo
     (2, 0, 0, True, False, "it finished"),
     (2, 2, 0, True, False, "bad input"),
     (2, 4, 0, True, False, "diverged"),
@@ -212,6 +214,7 @@ def test_restart_decision(rank: int, status: int, used: int, rank0_running: bool
 @pytest.mark.parametrize(("statuses", "expected"), [
     ({0: 0, 1: 0, 2: -signal.SIGKILL}, 0),      # the run finished; the rank lost on the way is membership
     ({0: -signal.SIGKILL, 1: 3, 2: 3}, 137),
+    ({0: -signal.SIGKILL, 1: 0, 2: 0}, 0),      # udp: the survivors of rank 0 finished the run
     ({0: 2, 1: 2}, 2),
     ({3: 3, 4: 0}, 0),                          # a machine without rank 0, one of whose ranks finished
     ({3: 3, 4: -signal.SIGKILL}, 3),
@@ -288,11 +291,14 @@ def _why_no_mount_namespace() -> str:
     return "" if probe.returncode == 0 else "unshare --mount is refused here"
 
 
-def _two_machines(tmp_path: Path, train_args: list[str], fault: str = "", restarts: int = 0) -> list[tuple[int, str]]:
+def _two_machines(tmp_path: Path, train_args: list[str], fault: str = "", restarts: int = 0,
+                  during: Callable[[int], None] | None = None) -> list[tuple[int, str]]:
     """Two launchers (--nnodes 2, 2 ranks each) on this machine: node 0 works in tmp_path/a, node 1 in tmp_path/b
-    and sees tmp_path/a empty. Returns each node's (status, stderr)."""
+    and sees tmp_path/a empty; ``during(port)``, given MASTER_PORT, runs once both are started. Returns each
+    node's (status, stderr)."""
     env = {k: v for k, v in os.environ.items() if k not in ("SHAKY_KEY", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node",
+    port = free_port()
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node",
               "2", "--max-restarts", str(restarts), "train", *train_args]
     (tmp_path / "a").mkdir(exist_ok=True)
     (tmp_path / "b").mkdir(exist_ok=True)
@@ -303,6 +309,13 @@ def _two_machines(tmp_path: Path, train_args: list[str], fault: str = "", restar
              subprocess.Popen([*launch, "--node-rank", "0", *common], cwd=tmp_path / "a",
                               env={**env, "SHAKY_INJECT_FAULT": fault}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)]
+    if during is not None:
+        try:
+            during(port)
+        except BaseException:
+            for proc in procs:
+                proc.kill()
+            raise
     ends = []
     for proc in procs[::-1]:
         try:
@@ -393,38 +406,65 @@ def test_over_two_machines_each_resumes_with_its_own_data_path(tmp_path: Path) -
 
 @pytest.mark.kill   # (make test-kill: minutes of restarts over two machines)
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
-def test_over_two_machines_a_dead_rank_0_stops_a_udp_run_and_both_launchers_resume_it(tmp_path: Path) -> None:
-    """udp, --max-restarts 1: rank 0 gets SIGKILL at step 40; the second machine's ranks stop with the run (not
-    started again alone: there is no run to rejoin), and each launcher starts its ranks again from the step-40
-    checkpoint; the run ends with 4 live workers and both launchers with status 0."""
+def test_over_two_machines_a_dead_rank_0_is_started_again_alone_and_the_others_train_on(tmp_path: Path) -> None:
+    """udp, --max-restarts 1: rank 0 gets SIGKILL at step 40. Its launcher starts it again alone and it is
+    taken back; rank 1, on the same machine, writes the run directory meanwhile and after (the second machine
+    sees no such directory: its ranks are never in line to write it), and the second machine's launcher starts
+    nothing. The run ends with 4 live workers and both launchers with status 0."""
     (tmp_path / "shaky.key").write_text(os.urandom(32).hex())
     args = [*ARGS[:2], "--workers", "4", *ARGS[4:], "--steps", "200", "--checkpoint-every", "20", "--key-file",
             str(tmp_path / "shaky.key"), "--out", "run"]
     (code0, err0), (code1, err1) = _two_machines(tmp_path, args, "kill:0:40", restarts=1)
     assert (code0, code1) == (0, 0), (err0, err1)
-    assert ("shaky launch: rank 0 killed by SIGKILL and the run stopped; starting the ranks here again from its last "
-            f"checkpoint: train --resume {tmp_path / 'a' / 'run'} (1 of 1)") in err0, err0
-    assert "shaky launch: the run stopped (rank 2 exited with status 3); starting the ranks here again" in err1, err1
-    assert "starting it again" not in err1, err1
+    assert "shaky launch: rank 0 killed by SIGKILL; starting it again (1 of 1)" in err0, err0
+    assert "shaky: rank 1 writes the run directory from step" in err0, err0
+    assert "starting" not in err1 and "writes the run directory" not in err1, err1
     summary = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
     assert summary["steps"] == 200 and summary["live_workers"] == 4, summary
+    assert [c["live"] for c in summary["udp"]["membership_changes"]] == [[1, 2, 3], [0, 1, 2, 3]], summary
+
+
+def _kill_the_keeper_after(run_dir: Path, step: int) -> Callable[[int], None]:
+    """Kills the keeper of MASTER_PORT (as if rank 0's machine died with it) once ``run_dir`` has the
+    evaluation at ``step``."""
+    def kill(port: int) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and f'"step": {step},' not in _text(run_dir / "metrics.jsonl"):
+            time.sleep(0.05)
+        keepers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and
+                   f"shaky.job.keeper\0--fd" in _text(Path("/proc", pid, "cmdline")) and
+                   f"\0--port\0{port}\0" in _text(Path("/proc", pid, "cmdline"))]
+        assert len(keepers) == 1, keepers
+        os.kill(keepers[0], signal.SIGKILL)
+    return kill
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 @pytest.mark.kill   # (make test-kill: minutes of restarts over two machines)
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
 def test_over_two_machines_a_rank_taken_back_stops_with_the_run_and_starts_again_with_the_others(
         tmp_path: Path) -> None:
-    """udp, --max-restarts 2: rank 3 dies at step 30 and is started again alone and taken back; then rank 0 dies
-    at step 80. The process taken back stops with the run (one line, not a traceback) and says so to its
-    launcher, which starts it again with the others from the last checkpoint, not alone into the next attempt:
-    the run ends with 4 live workers and both launchers with status 0."""
+    """udp, --max-restarts 2: rank 3 dies at step 30 and is started again alone and taken back; then the run's
+    store goes (its keeper is killed after step 100, as if rank 0's machine died). Every rank stops with the run
+    (one line, not a traceback) and says so to its launcher, which starts its ranks again from the last
+    checkpoint, the one taken back with the others, not alone into the next attempt: the run ends with 4 live
+    workers and both launchers with status 0."""
     (tmp_path / "shaky.key").write_text(os.urandom(32).hex())
     args = [*ARGS[:2], "--workers", "4", *ARGS[4:], "--steps", "200", "--checkpoint-every", "20", "--key-file",
             str(tmp_path / "shaky.key"), "--out", "run"]
-    (code0, err0), (code1, err1) = _two_machines(tmp_path, args, "kill:3:30,kill:0:80", restarts=2)
+    (code0, err0), (code1, err1) = _two_machines(tmp_path, args, "kill:3:30", restarts=2,
+                                                 during=_kill_the_keeper_after(tmp_path / "a" / "run", 100))
     assert (code0, code1) == (0, 0), (err0, err1)
     assert "shaky launch: rank 3 killed by SIGKILL; starting it again (1 of 2)" in err1, err1
     assert "starting it again (2 of 2)" not in err1 and "Traceback" not in err1, err1
+    assert "is gone" in err0 and "is gone" in err1, (err0, err1)
+    assert "starting the ranks here again from its last checkpoint" in err0, err0
     assert "shaky launch: the run stopped (rank 2 exited with status 3); starting the ranks here again" in err1, err1
     summary = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
     assert summary["steps"] == 200 and summary["live_workers"] == 4, summary
@@ -631,6 +671,7 @@ def test_machines_that_run_different_command_lines_stop_before_they_train(differ
     ({2: 3, 3: -signal.SIGKILL}, 0, False, "runs/x", "gloo", None),
     ({2: -signal.SIGKILL}, 0, False, "runs/x", "gloo", None),             # on gloo its death stopped the run
     ({2: -signal.SIGKILL}, 0, False, "runs/x", "udp", RUN_GOES_ON),       # on udp the others train on
+    ({0: -signal.SIGKILL, 1: 0, 2: 0}, 0, False, "runs/x", "udp", RUN_GOES_ON),   # rank 0 too
     ({2: 0, 3: -signal.SIGKILL}, 0, False, "runs/x", "udp", "it finished"),
     ({2: 3, 3: 3}, 1, False, "runs/x", "udp", NO_RESTARTS_LEFT),
     ({2: 3, 3: 3}, 0, False, None, None, NOT_TOLD),
@@ -669,16 +710,26 @@ def _fake_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transport: s
     return launcher, lines
 
 
+def _stopped_with_the_run(tmp_path: Path, launcher: Launcher, ranks: Sequence[int]) -> None:
+    """``ranks`` end as a rank does whose run stopped (its store went): status 3, having told their launcher
+    (``shaky.job.rank.run_stopped``)."""
+    for rank in ranks:
+        (tmp_path / f"run-{rank}.json").write_text(json.dumps({"run_dir": str(tmp_path / "run"), "transport": "udp",
+                                                               "stopped": True}))
+        launcher.procs[rank].status = 3
+
+
 def test_the_group_restart_names_the_rank_that_stopped_the_run(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """udp: rank 1 dies and is started again alone; later rank 0 dies and the others stop (status 3). The line
-    names rank 0, not the rank that was taken back long before, and every rank goes on with --resume."""
+    """udp: rank 1 dies and is started again alone; later rank 0 dies and the run stops with it (its store went:
+    the others stop with status 3 and say so). The line names rank 0, not the rank that was taken back long
+    before; rank 0 is not started again alone, and every rank goes on with --resume."""
     launcher, lines = _fake_launcher(tmp_path, monkeypatch)
     launcher.procs[1].status = -signal.SIGKILL
     launcher._watch()
     assert lines[-1].startswith("rank 1 killed by SIGKILL; starting it again (1 of 1)") and not launcher.statuses
     launcher.procs[0].status = -signal.SIGKILL
-    launcher.procs[1].status = launcher.procs[2].status = 3
+    _stopped_with_the_run(tmp_path, launcher, [1, 2])
     launcher._watch()
     assert launcher._restart_group()
     assert lines[-1] == ("rank 0 killed by SIGKILL and the run stopped; starting every rank again from its last "
@@ -689,14 +740,15 @@ def test_the_group_restart_names_the_rank_that_stopped_the_run(tmp_path: Path,
 def test_on_udp_the_group_restart_names_rank_0_even_after_a_rank_was_lost_for_good(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """udp: rank 2 dies twice (its one restart used, it stays down: the run goes on without it), then rank 0
-    dies and takes the run with it: the line names rank 0."""
+    dies and the run stops with it (the others say so): the line names rank 0."""
     launcher, lines = _fake_launcher(tmp_path, monkeypatch)
     launcher.procs[2].status = -signal.SIGKILL
     launcher._watch()
     launcher.procs[2].status = -signal.SIGKILL
     launcher._watch()
     assert lines[-1].startswith("rank 2 killed by SIGKILL; not started again: it has no restarts left")
-    launcher.procs[0].status, launcher.procs[1].status = -signal.SIGABRT, 3     # rank 0 crashed
+    launcher.procs[0].status = -signal.SIGABRT     # rank 0 crashed, and its store went with it
+    _stopped_with_the_run(tmp_path, launcher, [1])
     launcher._watch()
     assert launcher._restart_group()
     assert lines[-1].startswith("rank 0 killed by SIGABRT and the run stopped; starting every rank again"), lines

@@ -16,18 +16,12 @@ timeout. It lives on rank 0's machine: the death of that machine, not of a proce
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
 
-KEEPER_KEY = "shaky/keeper"
-"""Set by the keeper once it serves: its process id (a rank 0 started again finds its run's keeper by it)."""
-GO_KEY = "shaky/keeper/go"
-"""Set by a rank 0 that starts a new run where a keeper of a run that is over still serves: it goes at once."""
 LOOK_S = 0.25
 """How often the keeper looks at the heartbeats and the ended key."""
 ENDED_QUIET_S = 1.0
@@ -36,6 +30,14 @@ heartbeat, the last use of the store) before it goes."""
 
 _hosted: tuple[str, int] | None = None
 """(MASTER_ADDR, MASTER_PORT) where this process started the keeper (None: it started none)."""
+
+
+def _door(port: int) -> str:
+    """The keeper's door: a Unix socket in the abstract namespace (Linux: gone with the process, no file) named
+    by its port. A rank 0 started again knows by it that the process on MASTER_PORT is its run's keeper (a
+    store client would wait forever for an answer from a program that is not a store), and tells a keeper of a
+    run that is over to go (:func:`retire`)."""
+    return f"\0shaky-keeper-{port}"
 
 
 def quiet_s(heartbeat_timeout_s: float) -> float:
@@ -57,17 +59,29 @@ def port_free(port: int) -> bool:
     return True
 
 
+def _knock(port: int, message: bytes = b"") -> bool:
+    """Whether a keeper of ``port`` answers at its door on this machine (:func:`_door`), handing it
+    ``message``."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as door:
+            door.settimeout(2.0)
+            door.connect(_door(port))
+            door.sendall(message)
+    except OSError:     # no keeper (or no abstract namespace: not Linux)
+        return False
+    return True
+
+
 def found(host: str, port: int) -> object | None:
-    """A client of the keeper serving ``port`` (its :data:`KEEPER_KEY` set), or None: the port is free, or
-    held by something else."""
+    """A client of the keeper serving ``port`` on this machine, or None: the port is free, or held by something
+    else."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    if port_free(port):
+    if port_free(port) or not _knock(port):
         return None
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5.0))
-        return store if store.check([KEEPER_KEY]) else None
-    except (RuntimeError, ValueError):      # not a store
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5.0))
+    except (RuntimeError, ValueError):      # it went meanwhile
         return None
 
 
@@ -80,11 +94,9 @@ def over(store: object, world: int) -> bool:
     return before == [int(store.add(k, 0)) for k in beats]      # type: ignore[attr-defined]
 
 
-def retire(store: object, port: int, timeout_s: float) -> None:
-    """Tells the keeper behind ``store`` (a client) to go, and waits at most ``timeout_s`` for ``port`` to be
-    free."""
-    with contextlib.suppress(RuntimeError):
-        store.set(GO_KEY, "1")      # type: ignore[attr-defined]
+def retire(port: int, timeout_s: float) -> None:
+    """Tells the keeper of ``port`` to go, and waits at most ``timeout_s`` for the port to be free."""
+    _knock(port, b"go")
     deadline = time.monotonic() + timeout_s
     while not port_free(port) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -98,15 +110,16 @@ def listen(port: int) -> socket.socket:
     return socket.create_server(("", port), backlog=1024)
 
 
-def start(host: str, port: int, *, world: int, attempt: str, timeout_s: float, heartbeat_timeout_s: float) -> None:
+def start(host: str, port: int, *, world: int, ended_key: str, timeout_s: float, heartbeat_timeout_s: float) -> None:
     """Rank 0: binds ``port`` and starts the keeper on it (OSError where the port is taken: nothing started).
-    Returns at once; a client that connects meanwhile waits in the socket's backlog."""
+    ``ended_key``: set in the store when the run has ended (``shaky.job.rendezvous.Keys.ended``). Returns at
+    once; a client that connects meanwhile waits in the socket's backlog."""
     global _hosted
     listener = listen(port)
     try:
         subprocess.Popen(
             [sys.executable, "-m", "shaky.job.keeper", "--fd", str(listener.fileno()), "--port", str(port),
-             "--world", str(world), "--attempt", attempt, "--timeout", repr(float(timeout_s)),
+             "--world", str(world), "--ended", ended_key, "--timeout", repr(float(timeout_s)),
              "--quiet", repr(quiet_s(heartbeat_timeout_s))],
             pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -115,33 +128,37 @@ def start(host: str, port: int, *, world: int, attempt: str, timeout_s: float, h
     _hosted = (host, port)
 
 
-def serve(fd: int, port: int, world: int, attempt: str, timeout_s: float, quiet: float) -> None:
+def serve(fd: int, port: int, world: int, ended: str, timeout_s: float, quiet: float) -> None:
     """The keeper's life (see the module): serves the store on the listening socket ``fd`` until the run is
     over."""
     import torch.distributed as dist  # noqa: PLC0415 (the keeper's own process)
 
-    from shaky.job.rendezvous import keys  # noqa: PLC0415
     from shaky.membership.quorum import shorten_store_retransmits  # noqa: PLC0415
 
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
                            timeout=timedelta(seconds=timeout_s))
+    door: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        door.bind(_door(port))
+        door.listen(16)
+        door.settimeout(LOOK_S)
+    except OSError:     # no abstract namespace (not Linux): a rank 0 started again cannot find this keeper
+        door.close()
+        door = None
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=max(timeout_s, 10.0)))
     shorten_store_retransmits(port)     # the listener (the connections it accepts inherit it), and its own client
-    client.set(KEEPER_KEY, str(os.getpid()))
-    ended = keys(attempt).ended
     beats = [f"shaky/beat/{r}" for r in range(world)]
     started = moved = time.monotonic()
     last: list[int] | None = None
     ended_at: float | None = None
     while True:
-        time.sleep(LOOK_S)
+        if _answer(door):
+            break       # a rank 0 that starts a new run on the port
         now = time.monotonic()
         try:
             seen = [int(client.add(k, 0)) for k in beats]
             if ended_at is None and client.check([ended]):
                 ended_at = now
-            if client.check([GO_KEY]):
-                break
         except RuntimeError:
             return
         if seen != last:
@@ -155,16 +172,34 @@ def serve(fd: int, port: int, world: int, attempt: str, timeout_s: float, quiet:
     del client, server
 
 
+def _answer(door: socket.socket | None) -> bool:
+    """Waits at most :data:`LOOK_S` at the door (None: it could not open); whether whoever came asked the
+    keeper to go."""
+    if door is None:
+        time.sleep(LOOK_S)
+        return False
+    try:
+        conn, _ = door.accept()
+    except OSError:     # (the wait ran out)
+        return False
+    with conn:
+        conn.settimeout(1.0)
+        try:
+            return conn.recv(8) == b"go"
+        except OSError:
+            return False
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m shaky.job.keeper")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--attempt", required=True)
+    parser.add_argument("--ended", required=True)
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--quiet", type=float, required=True)
     a = parser.parse_args(argv)
-    serve(a.fd, a.port, a.world, a.attempt, a.timeout, a.quiet)
+    serve(a.fd, a.port, a.world, a.ended, a.timeout, a.quiet)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ What happens when rank R dies:
   heartbeat has been silent that long and train on; a process started again as R (``shaky launch
   --max-restarts``) finds the run in progress (:func:`joining`) and is taken back at a step's start
   (:func:`rejoin`).
-* R = 0 hosts the run's stores and writes its directory: its death ends the run on every transport (``rank 0,
-  which hosts the run's store, is gone``, status 3).
+* R = 0 is a rank like the others. The run's store lives in the keeper (:mod:`shaky.job.keeper`), a process of
+  its own that rank 0 starts on its machine (under torchrun, the agent's store, and torchrun's agent stops
+  every rank when one fails anyway), and the run directory is written by the first live rank of
+  :class:`~shaky.train.Writers` (rank 0, then the others that see the directory). A store that goes (the
+  keeper's machine died) ends the run (``the run's store ... is gone``, status 3).
 * A run that stopped is started again from its last checkpoint by ``shaky launch --max-restarts`` (every rank
   with ``--resume``: :mod:`shaky.job.resume`).
 """
@@ -18,6 +21,7 @@ What happens when rank R dies:
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -201,8 +205,9 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
     # Every rank must agree on what rank 0 decided or measured.
     shown, resolved, host = broadcast_object((str(run_dir), str(run_dir.resolve()), socket.gethostname()))
     run_dir, writer = Path(shown), comm.rank == 0
-    # With live membership the run directory outlives rank 0: the first live rank on its machine writes it.
-    writers = Writers(comm.rank, [r for r, h in enumerate(gather_object(socket.gethostname())) if h == host]) \
+    # With live membership the run directory outlives rank 0: the first live rank that sees it writes it.
+    seen = gather_object(_place(resolved))
+    writers = Writers(comm.rank, [r for r, place in enumerate(seen) if place == seen[0]]) \
         if isinstance(members, Agreed) else None
     # Where this rank may read the run directory for its lines: rank 0's machine only (elsewhere a copy of it
     # under the same name could be stale).
@@ -266,6 +271,20 @@ def train_dist(env: JobEnv, setup: Any, run_dir: Path, *, resume: bool, quiet: b
     return 0
 
 
+def _place(path: str) -> tuple[str, int, int, str]:
+    """Where ``path`` (absolute) is, as this process sees it: the machine, and the device and inode of its
+    nearest existing directory with the rest of the path. Two ranks with the same place see the same run
+    directory (on another machine, or behind another mount, a path of the same name is another directory)."""
+    here, rest = Path(path), []
+    while not here.exists() and here != here.parent:
+        here, rest = here.parent, [here.name, *rest]
+    try:
+        st = os.stat(here)
+    except OSError:
+        return socket.gethostname(), -1, -1, path
+    return socket.gethostname(), st.st_dev, st.st_ino, "/".join(rest)
+
+
 def resume_refused(setup: Any, run_dir: Path) -> str | None:
     """Rank 0 of a resumed run: why its checkpoint's parameters cannot be this run's (the rest of the resume check
     ran before: ``shaky.rundir.load_run_config``; the data's digests are compared in ``check_same_config``)."""
@@ -279,8 +298,8 @@ def resume_refused(setup: Any, run_dir: Path) -> str | None:
 
 def run_stopped(env: JobEnv, rank: int, heartbeat: Heartbeat, cfg: Any, exc: Exception, run_dir: Path,
                 resolved: str, local: Path | None) -> int:
-    """A collective or the store failed: the run stopped (a rank died on gloo, or rank 0). Says which rank, in one
-    line (the one whose ``heartbeat`` stopped, :meth:`Heartbeat.diagnose`), and tells the launcher that this rank
+    """A collective or the store failed: the run stopped (a rank died on gloo, or the run's store went). Says
+    which rank, in one line (the one whose ``heartbeat`` stopped, :meth:`Heartbeat.diagnose`), and tells the launcher that this rank
     ended with the run (it is not one to take back alone: the launcher starts the run again as a whole).
     Status 3."""
     found = heartbeat.diagnose(cfg.dist_timeout_s)
@@ -289,10 +308,10 @@ def run_stopped(env: JobEnv, rank: int, heartbeat: Heartbeat, cfg: Any, exc: Exc
         # This process stood still (SIGSTOP, a stall) past the timeout, and woke to find the store gone: the run
         # most likely ended meanwhile, which it cannot tell from rank 0's death with the store gone.
         who = (f"rank {rank} stood still for {paused:.1f} s (SIGSTOP, a stalled machine), and meanwhile the run "
-               "ended or rank 0, which hosts its store, died")
+               "ended or its store went")
     else:
         who = (f"rank {found[0]} stopped answering after step {found[1]}" if found else
-               "rank 0, which hosts the run's store, is gone")
+               f"the run's store at {env.master_addr}:{env.master_port} (on rank 0's machine) is gone")
     tell_launcher(env.run_file, resolved, cfg.dist.transport, stopped=True)
     say(f"shaky: error: {who} (rank {rank} saw: {' '.join(str(exc).split())[:100]}); "
         f"last checkpoint: {checkpoint_note(run_dir, dist_command(env), local)}")

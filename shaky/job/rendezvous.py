@@ -22,6 +22,7 @@ from shaky.errors import Stop
 from shaky.job import keeper
 from shaky.job.env import JobEnv
 from shaky.launch import EXIT_BAD_INPUT
+from shaky.membership.quorum import KEEPER_ADDRESS_KEY
 
 
 class Keys(NamedTuple):
@@ -102,14 +103,16 @@ def rank_0_store(env: JobEnv, timeout_s: float, heartbeat_timeout_s: float) -> d
     if keeper.hosted() is None:
         old = keeper.found(host, port)
         if old is not None and keeper.over(old, world):     # the keeper of a run that is over: it goes
-            keeper.retire(old, port, timeout_s)
+            keeper.retire(port, timeout_s)
         try:
-            keeper.start(host, port, world=world, attempt=env.restart_count, timeout_s=timeout_s,
+            keeper.start(host, port, world=world, ended_key=job_keys(env).ended, timeout_s=timeout_s,
                          heartbeat_timeout_s=heartbeat_timeout_s)
         except OSError as exc:
             raise dist.DistNetworkError(f"the keeper cannot listen on port {port}: {exc} "
                                         f"({'EADDRINUSE' if exc.errno == errno.EADDRINUSE else exc.errno})") from None
-    return dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
+    store.set(KEEPER_ADDRESS_KEY, f"{host} {port}")     # the control rounds go there too (ControlStore)
+    return store
 
 
 class NoStore(RuntimeError):
@@ -178,7 +181,7 @@ def rank_0_joins(env: JobEnv, timeout_s: float) -> JoinStore | None:
     if raw is None:     # (held by something else: port_taken says so when rank 0 binds the port)
         return None
     if keeper.over(raw, env.num_ranks):
-        keeper.retire(raw, port, timeout_s)
+        keeper.retire(port, timeout_s)
         return None
     return run_in_progress(env, timeout_s, again=True)
 

@@ -22,7 +22,6 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from shaky.comm.udp.sockets import bind_first_free
-from shaky.job import keeper
 from shaky.membership.heartbeat import HEARTBEAT_JOIN_S
 from shaky.membership.mail import MAIL_RECORD_BYTES, RoundMail
 
@@ -414,6 +413,11 @@ _RECORD, _DEAD = b"R", b"D"
 (the key's first entry decides which)."""
 
 
+KEEPER_ADDRESS_KEY = "shaky/keeper"
+"""Set in the rendezvous store by a rank 0 whose keeper serves it (``shaky.job.keeper``): "MASTER_ADDR
+MASTER_PORT", where the control rounds go too."""
+
+
 class ControlStore:
     """Where the control plane's rounds (:class:`Quorum`) are held, an address every rank learns from the
     rendezvous store (``key``), a process started again for a rank too.
@@ -432,11 +436,11 @@ class ControlStore:
                  joining: bool) -> None:
         self.timeout_s = timeout_s
         self._server: dist.TCPStore | None = None
-        kept = keeper.hosted()
-        self.hosted = rank == 0 and not joining and kept is None
+        kept = rank == 0 and not joining and rendezvous.check([KEEPER_ADDRESS_KEY])
+        self.hosted = rank == 0 and not joining and not kept
         """Whether this process hosts the store (rank 0 under torchrun's agent store); else the keeper does."""
-        if rank == 0 and not joining and kept is not None:     # the rendezvous store, in the keeper's process
-            rendezvous.set(key, f"ok {kept[0]} {kept[1]}")
+        if kept:     # the rendezvous store, in the keeper's process
+            rendezvous.set(key, f"ok {rendezvous.get(KEEPER_ADDRESS_KEY).decode()}")
         elif self.hosted:
             listener = None
             try:
