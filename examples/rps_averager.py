@@ -17,10 +17,11 @@ train on"). Three ranks on this machine, each in a shell of its own (R = 0, 1, 2
     MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=3 RANK=R \
         python examples/rps_averager.py --transport udp --steps 2000
 
-Kill rank 1 or 2 part way (kill -9): the others go on with two after the
-heartbeat timeout (3 s) and finish every step (``--log-every 50`` shows the
-live workers). Rank 0 holds the run's control store, so its death still ends
-the run.
+Kill any rank part way, rank 0 included (kill -9): the others go on with two
+after the heartbeat timeout (3 s) and finish every step (``--log-every 50``
+shows the live workers). ``shaky.init_process_group()`` is what makes rank 0
+like the others: it joins the gloo group as torch's does, but rank 0 hands the
+run's store to a keeper process of its own instead of hosting it itself.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=0, metavar="N", help="print the loss every N steps")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    shaky.init_process_group()  # torch.distributed's gloo group; the store in a keeper, not in rank 0's process
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model on every rank
     x, y = load_digits(return_X_y=True)

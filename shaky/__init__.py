@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ModelAverager": "shaky.averager", "RPSAverager": "shaky.averager",
+    "ModelAverager": "shaky.averager", "RPSAverager": "shaky.averager", "init_process_group": "shaky.averager",
     "SimComm": "shaky.comm.sim",
     "NetworkConfig": "shaky.config", "RunConfig": "shaky.config", "config_from_dict": "shaky.config",
     "load_toml": "shaky.config",

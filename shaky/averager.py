@@ -48,7 +48,7 @@ from torch.distributed.algorithms.model_averaging import averagers as torch_aver
 from shaky.comm.base import DRAWN, observer
 from shaky.comm.gloo import DistComm, rendezvous_store
 from shaky.comm.udp.comm import udp_comm
-from shaky.config import HEARTBEAT_TIMEOUT_S, UDP_PORTS, DistConfig, NetworkConfig, _build
+from shaky.config import DIST_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, UDP_PORTS, DistConfig, NetworkConfig, _build
 from shaky.job.env import JobEnv
 from shaky.network.clock import PhaseTraffic
 from shaky.membership import Agreed
@@ -62,6 +62,18 @@ from shaky.strategies.optim import OuterSGD, OuterState
 
 _STATE_VERSION = 1
 _MATRIX_SETTINGS = ("drop_rate", "latency_ms", "bandwidth_mbps")
+
+
+def init_process_group(*, timeout_s: float = DIST_TIMEOUT_S, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+    """``torch.distributed.init_process_group("gloo")`` from the environment torchrun sets (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), where rank 0 puts the rendezvous store in a keeper process of its own
+    (``shaky.job.keeper``) instead of hosting it itself: with ``RPSAverager(transport="udp")`` any rank, rank 0
+    included, may then die and the others train on (with torch's own, rank 0's death takes the store with it).
+    Under torchrun's agent, whose store is used as torch would, it is torch's. ``heartbeat_timeout_s``: the
+    averager's (the keeper goes once no heartbeat has moved for four of them, at least 10 s)."""
+    from shaky.job.rendezvous import init_group  # noqa: PLC0415 (the job layer, for a user's process)
+
+    init_group(JobEnv.from_environ(os.environ), timeout_s, heartbeat_timeout_s)
 
 
 def _network_config(network: NetworkConfig | dict[str, Any] | str | None, world_size: int) -> NetworkConfig:

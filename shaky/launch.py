@@ -22,9 +22,10 @@ started again as a whole once every rank here has ended (:func:`group_restart_de
 ``--resume`` of the run directory, from its last checkpoint, at most ``max_restarts`` times, as torchrun
 restarts a group. Over several machines each launcher does so for its own ranks: rank 0's when rank 0 failed
 or stopped with the run, another's when its ranks stopped with the run (status 3; on gloo, any failure); only
-rank 0 reads the run directory, the others get what they need from it. SIGINT and SIGTERM to the launcher are passed on to every rank (each stops
-after the same step with a checkpoint, as under torchrun); the ranks run in a session of their own, so a
-terminal's Ctrl-C reaches them once, through the launcher, and they get SIGTERM if the launcher itself dies.
+rank 0 reads the run directory at the start, the others get what they need from it. SIGINT and SIGTERM to the
+launcher are passed on to every rank (each stops after the same step with a checkpoint, as under torchrun); the
+ranks run in a session of their own, so a terminal's Ctrl-C reaches them once, through the launcher, and they
+get SIGTERM if the launcher itself dies.
 
 No torch here: the launcher only starts and watches processes.
 """

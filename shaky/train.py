@@ -35,9 +35,9 @@ from shaky.network.faults import FailureSchedule, Membership, Round
 from shaky.network.model import MaskLog, NetworkModel, TraceNetwork
 from shaky.progress import Progress, say
 from shaky.resumable import check_params, config_digest
-from shaky.rundir import (CHECKPOINT_FILE, METRICS_FILE, SHARDS_FILE, Counters, Summary, append_metrics, claim_dir, create,
-                          load_checkpoint, load_run_config, load_trace, new_run_dir, read_metrics, record_start,
-                          save_checkpoint, save_trace, truncate_metrics)
+from shaky.rundir import (CHECKPOINT_FILE, METRICS_FILE, SHARDS_FILE, Counters, Summary, append_metrics,
+                          claim_dir, create, load_checkpoint, load_run_config, load_trace, new_run_dir, read_metrics,
+                          record_start, save_checkpoint, save_trace, truncate_metrics)
 from shaky.sampler import BatchSampler
 from shaky.setup import Setup, evaluate, inputs_digest, prepare, start_gradient_diversity
 from shaky.strategies import AverageModels, Strategy, sample_weights
@@ -472,10 +472,10 @@ def _recorded_masks(setup: Setup, run_dir: Path, rounds: int) -> TraceNetwork:
 class Writers:
     """Which rank writes the run directory with live membership, the same on every rank: rank 0 at the start,
     and while the writer is live it stays the writer; once it is left out, the first live rank of ``order``
-    (rank 0, then the other ranks whose machine holds the run directory, by rank). Every rank computes every row, gathers every checkpoint and keeps the whole trace, so the rank that
-    takes over writes what rank 0 would have: a dead rank 0 costs the run directory nothing but a checkpoint it
-    was writing (the last one stands) or, dead between an evaluation and its row, that row, which the new
-    writer appends first."""
+    (rank 0, then the other ranks that see the run directory, by rank). Every rank computes every row, gathers
+    every checkpoint and keeps the whole trace, so the rank that takes over writes what rank 0 would have: a
+    dead rank 0 costs the run directory nothing but a checkpoint it was writing (the last one stands) or, dead
+    between an evaluation and its row, that row, which the new writer appends first."""
 
     def __init__(self, rank: int, order: list[int]) -> None:
         self.rank, self.order = rank, order

@@ -432,7 +432,7 @@ def _kill_the_keeper_after(run_dir: Path, step: int) -> Callable[[int], None]:
         while time.monotonic() < deadline and f'"step": {step},' not in _text(run_dir / "metrics.jsonl"):
             time.sleep(0.05)
         keepers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and
-                   f"shaky.job.keeper\0--fd" in _text(Path("/proc", pid, "cmdline")) and
+                   "shaky.job.keeper\0--fd" in _text(Path("/proc", pid, "cmdline")) and
                    f"\0--port\0{port}\0" in _text(Path("/proc", pid, "cmdline"))]
         assert len(keepers) == 1, keepers
         os.kill(keepers[0], signal.SIGKILL)

@@ -684,31 +684,34 @@ def test_a_rank_paused_past_the_heartbeat_timeout_asks_whether_it_was_left_out_b
 
 
 @pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
-def test_a_users_loop_with_the_udp_averager_survives_a_sigkilled_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("victim", [2, 0])
+def test_a_users_loop_with_the_udp_averager_survives_a_sigkilled_rank(victim: int, tmp_path: Path) -> None:
     """examples/rps_averager.py --transport udp, three ranks started by hand (as its docstring and the README
-    say survivors need): rank 2 is SIGKILLed when it reports step 100, a moment this test chooses, not an
-    injected fault at a step. Ranks 0 and 1 go on with two live workers, finish all 400 steps with status 0, and
-    learn (test accuracy above 0.8, as the gloo example's test asks)."""
+    say survivors need): a rank, rank 0 too (its store is the keeper's: shaky.init_process_group), is SIGKILLed
+    when it reports step 100, a moment this test chooses, not an injected fault at a step. The other two go on
+    with two live workers, finish all 400 steps with status 0, and learn (test accuracy above 0.8, as the gloo
+    example's test asks)."""
     script = Path(__file__).resolve().parents[1] / "examples" / "rps_averager.py"
     procs = launch_ranks(["--transport", "udp", "--steps", "400", "--log-every", "20"], tmp_path, workers=3,
                          env={**ENV, "TORCH_CPP_LOG_LEVEL": "ERROR"}, command=[sys.executable, str(script)])
+    survivors = [r for r in range(3) if r != victim]
     try:
-        victim = procs[2]
         seen = []
-        for line in victim.stdout:      # type: ignore[union-attr]
+        for line in procs[victim].stdout:      # type: ignore[union-attr]
             seen.append(line)
-            if line.startswith("rank 2: step 100,"):
-                victim.kill()
+            if line.startswith(f"rank {victim}: step 100,"):
+                procs[victim].kill()
                 break
         else:
-            pytest.fail(f"rank 2 never reached step 100: {''.join(seen)[-1000:]} {victim.stderr.read()[-2000:]}")
+            pytest.fail(f"rank {victim} never reached step 100: {''.join(seen)[-1000:]} "
+                        f"{procs[victim].stderr.read()[-2000:]}")
         assert "live workers 3" in seen[-1]
-        outs = [p.communicate(timeout=120) for p in procs[:2]]
+        outs = [procs[r].communicate(timeout=120) for r in survivors]
     finally:
         for p in procs:
             p.kill()
-    assert victim.wait() == -signal.SIGKILL
-    for rank, (p, (out, err)) in enumerate(zip(procs[:2], outs)):
+    assert procs[victim].wait() == -signal.SIGKILL
+    for rank, p, (out, err) in zip(survivors, [procs[r] for r in survivors], outs):
         assert p.returncode == 0, f"rank {rank}: {err[-2000:]}"
         logged = [int(n) for n in re.findall(rf"rank {rank}: step \d+, loss [\d.]+, live workers (\d)", out)]
         assert len(logged) == 400 // 20 and logged[:5] == [3] * 5 and logged[-1] == 2, out

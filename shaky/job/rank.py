@@ -299,9 +299,9 @@ def resume_refused(setup: Any, run_dir: Path) -> str | None:
 def run_stopped(env: JobEnv, rank: int, heartbeat: Heartbeat, cfg: Any, exc: Exception, run_dir: Path,
                 resolved: str, local: Path | None) -> int:
     """A collective or the store failed: the run stopped (a rank died on gloo, or the run's store went). Says
-    which rank, in one line (the one whose ``heartbeat`` stopped, :meth:`Heartbeat.diagnose`), and tells the launcher that this rank
-    ended with the run (it is not one to take back alone: the launcher starts the run again as a whole).
-    Status 3."""
+    which rank, in one line (the one whose ``heartbeat`` stopped, :meth:`Heartbeat.diagnose`), and tells the
+    launcher that this rank ended with the run (it is not one to take back alone: the launcher starts the run
+    again as a whole). Status 3."""
     found = heartbeat.diagnose(cfg.dist_timeout_s)
     paused = heartbeat.paused_s()
     if found is None and paused > cfg.dist.heartbeat_timeout_s:

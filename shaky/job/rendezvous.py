@@ -159,9 +159,7 @@ def run_in_progress(env: JobEnv, timeout_s: float, *, again: bool = False) -> Jo
             _claim_rank(env, raw, rank)
         return None
     record = json.loads(raw.get(k.run).decode())
-    if record.get("transport") != "udp":    # gloo takes no rank back: another process as this rank is a second one
-        if rank == 0:
-            return None
+    if record.get("transport") != "udp" and rank != 0:    # gloo takes no rank back: a second process as this rank
         _claim_rank(env, raw, rank)
     return JoinStore(raw, rank, world, record)
 
