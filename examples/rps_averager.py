@@ -78,7 +78,7 @@ def main() -> None:
             sys.stdout.write(f"rank {rank}: step {step + 1}, loss {loss.item():.4f}, "
                              f"live workers {averager.live_workers}\n")
             sys.stdout.flush()
-    averager.close()   # udp: rank 0 holds the control store until the others are done with it
+    averager.close()   # udp: its threads end before the process does
 
     with torch.no_grad():
         accuracy = (model(torch.tensor(x_test, dtype=torch.float32)).argmax(1) == torch.tensor(y_test)).float().mean()

@@ -89,6 +89,7 @@ def main() -> None:
     sys.stdout.write(f"rank {rank}: test perplexity {math.exp(float(loss)):.3f}, messages dropped "
                      f"{averager.messages_dropped} of {averager.messages_sent}\n")
     sys.stdout.flush()
+    averager.close()   # udp: its threads end before the process does (a store call cut off at exit aborts it)
     dist.destroy_process_group()
 
 

@@ -372,9 +372,11 @@ class ModelAverager:
 
     def close(self) -> None:
         """Closes the transport: on udp its sockets, control plane and heartbeat. Call it on every rank when
-        training is done, before ``dist.destroy_process_group()``: rank 0's process holds the control rounds'
-        store, and waits there (at most ``heartbeat_timeout_s``) for the other live ranks to be done with it.
-        Calling it again does nothing; ``with averager:`` calls it at the block's end."""
+        training is done, before ``dist.destroy_process_group()``: its threads end first (a thread still in a
+        store call when the interpreter exits aborts the process), and where rank 0's process holds the control
+        rounds' store (torch's own ``init_process_group``, not :func:`init_process_group`'s keeper) rank 0
+        waits there (at most ``heartbeat_timeout_s``) for the other live ranks to be done with it. Calling it
+        again does nothing; ``with averager:`` calls it at the block's end."""
         if self._closed:
             return
         self._closed = True

@@ -249,6 +249,8 @@ def cmd_train(args: argparse.Namespace, env: JobEnv) -> int:
         joining = rank.joining(env, cfg.dist_timeout_s) if cfg.backend == "dist" and env.job_rank == 0 else None
         if env.job_rank in (None, 0) and joining is None:    # rank 0 writes --out
             _check_out(args)
+        if cfg.backend == "dist" and env.job_rank == 0 and joining is None:
+            rank.keep_store(env, cfg)    # the run's store, in a process of its own: started while this one prepares
         # dist: rank 0 measures alone (rank.train_dist); device cuda puts each rank on GPU LOCAL_RANK. Before a rank
         # waits for rank 0's store: bad input found here is said at once, on every machine.
         setup = prepare(cfg, measure=cfg.backend != "dist",

@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -431,11 +433,11 @@ def _kill_the_keeper_after(run_dir: Path, step: int) -> Callable[[int], None]:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and f'"step": {step},' not in _text(run_dir / "metrics.jsonl"):
             time.sleep(0.05)
-        keepers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and
-                   "shaky.job.keeper\0--fd" in _text(Path("/proc", pid, "cmdline")) and
-                   f"\0--port\0{port}\0" in _text(Path("/proc", pid, "cmdline"))]
-        assert len(keepers) == 1, keepers
-        os.kill(keepers[0], signal.SIGKILL)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as door:     # the keeper's (shaky.job.keeper)
+            door.connect(f"\0shaky-keeper-{port}")
+            pid, _, _ = struct.unpack("3i", door.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        assert Path("/proc", str(pid), "comm").read_text().strip() == "shaky-keeper"
+        os.kill(pid, signal.SIGKILL)
     return kill
 
 
@@ -926,8 +928,6 @@ def test_rank_0_on_a_port_in_use_stops_at_once_with_one_line(tmp_path: Path) -> 
     """The store's port is taken (here by a listening socket; a second launcher given --node-rank 0 takes it the
     same way): rank 0 cannot host the rendezvous store and says so in one line naming --master-port, status 2,
     at once, not after a timeout and not as "the process group did not form"; nothing is written."""
-    import socket  # noqa: PLC0415
-
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

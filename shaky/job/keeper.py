@@ -16,9 +16,12 @@ timeout. It lives on rank 0's machine: the death of that machine, not of a proce
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -113,19 +116,67 @@ def listen(port: int) -> socket.socket:
 def start(host: str, port: int, *, world: int, ended_key: str, timeout_s: float, heartbeat_timeout_s: float) -> None:
     """Rank 0: binds ``port`` and starts the keeper on it (OSError where the port is taken: nothing started).
     ``ended_key``: set in the store when the run has ended (``shaky.job.rendezvous.Keys.ended``). Returns at
-    once; a client that connects meanwhile waits in the socket's backlog."""
+    once; a client that connects meanwhile waits in the socket's backlog.
+
+    A process with one thread (rank 0 before it trains) forks the keeper, which then serves at once: a new
+    Python would first spend seconds importing torch (3.7 s here), every rank waiting for it. The fork forks
+    again and its child is the keeper (reparented, never rank 0's zombie), in a session of its own, with only
+    the listening socket and /dev/null open. A process with more threads (a user's loop) starts
+    ``python -m shaky.job.keeper`` instead: forking it would copy locks other threads hold."""
     global _hosted
     listener = listen(port)
+    args = [str(listener.fileno()), str(port), str(world), ended_key, repr(float(timeout_s)),
+            repr(quiet_s(heartbeat_timeout_s))]
     try:
-        subprocess.Popen(
-            [sys.executable, "-m", "shaky.job.keeper", "--fd", str(listener.fileno()), "--port", str(port),
-             "--world", str(world), "--ended", ended_key, "--timeout", repr(float(timeout_s)),
-             "--quiet", repr(quiet_s(heartbeat_timeout_s))],
-            pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True)
+        if threading.active_count() == 1 and hasattr(os, "fork"):
+            _fork(listener.fileno(), args)
+        else:
+            subprocess.Popen([sys.executable, "-m", "shaky.job.keeper", *args], pass_fds=(listener.fileno(),),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
     finally:
         listener.close()    # the keeper holds it now
     _hosted = (host, port)
+
+
+def _fork(fd: int, args: list[str]) -> None:
+    """The keeper as this process's grandchild (see :func:`start`)."""
+    child = os.fork()
+    if child:
+        os.waitpid(child, 0)    # the middle process ends at once
+        return
+    try:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        null = os.open(os.devnull, os.O_RDWR)
+        for std in (0, 1, 2):
+            os.dup2(null, std)
+        os.closerange(3, fd)
+        os.closerange(fd + 1, _max_fd())
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        _name_process()
+        main(args)
+    finally:
+        os._exit(0)
+
+
+def _name_process() -> None:
+    """``shaky-keeper`` in ps and top (Linux's PR_SET_NAME; a forked keeper otherwise shows rank 0's command)."""
+    try:
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, b"shaky-keeper", 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _max_fd() -> int:
+    try:
+        return int(os.sysconf("SC_OPEN_MAX"))
+    except (OSError, ValueError):
+        return 65536
 
 
 def serve(fd: int, port: int, world: int, ended: str, timeout_s: float, quiet: float) -> None:
@@ -191,13 +242,14 @@ def _answer(door: socket.socket | None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m shaky.job.keeper FD PORT WORLD ENDED_KEY TIMEOUT_S QUIET_S`` (:func:`start` passes them)."""
     parser = argparse.ArgumentParser(prog="python -m shaky.job.keeper")
-    parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--ended", required=True)
-    parser.add_argument("--timeout", type=float, required=True)
-    parser.add_argument("--quiet", type=float, required=True)
+    parser.add_argument("fd", type=int)
+    parser.add_argument("port", type=int)
+    parser.add_argument("world", type=int)
+    parser.add_argument("ended")
+    parser.add_argument("timeout", type=float)
+    parser.add_argument("quiet", type=float)
     a = parser.parse_args(argv)
     serve(a.fd, a.port, a.world, a.ended, a.timeout, a.quiet)
 

@@ -37,7 +37,7 @@ from shaky.job.checks import check_same_config, check_taken_back, claim_run_dir,
 from shaky.job import keeper
 from shaky.job.env import JobEnv
 from shaky.job.rendezvous import (NoStore, RankTaken, init_group, job_keys, no_group, publish_run, rank_0_joins,
-                                  run_in_progress, say_ended)
+                                  run_in_progress, say_ended, start_keeper)
 from shaky.job.stop import checkpoint_note, dist_command, launcher, stopping
 from shaky.launch import tell_launcher
 from shaky.membership import Agreed, Members, Scheduled
@@ -65,6 +65,18 @@ def joining(env: JobEnv, timeout_s: float) -> JoinStore | None:
     except NoStore as exc:
         tell_launcher(env.run_file, None, None, stopped=True)     # not a rank to start again alone: there is no run
         raise no_group(env, timeout_s, str(exc)) from None
+
+
+def keep_store(env: JobEnv, cfg: Any) -> None:
+    """Rank 0 of a dist run that starts: its keeper started now (:func:`shaky.job.rendezvous.start_keeper`),
+    while this process still prepares. A port in use stops it with one line (status 2), as joining the group
+    would."""
+    try:
+        start_keeper(env, cfg.dist_timeout_s, cfg.dist.heartbeat_timeout_s)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    except RuntimeError as exc:     # DistNetworkError: the port is taken
+        raise no_group(env, cfg.dist_timeout_s, str(exc)) from None
 
 
 def rejoin(env: JobEnv, setup: Any, joining: Any, *, quiet: bool) -> int:

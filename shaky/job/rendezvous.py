@@ -91,15 +91,16 @@ def init_group(env: JobEnv, timeout_s: float, heartbeat_timeout_s: float) -> Non
                                 world_size=env.num_ranks, timeout=timedelta(seconds=timeout_s))
 
 
-def rank_0_store(env: JobEnv, timeout_s: float, heartbeat_timeout_s: float) -> dist.Store | None:
-    """Rank 0, where no torchrun agent hosts the rendezvous store: starts the keeper on MASTER_PORT
-    (:mod:`shaky.job.keeper`; once a process) and returns a client of its store, as every other rank has. None
-    for any other rank, or under torchrun's agent store. A port in use raises DistNetworkError naming EADDRINUSE
-    (:func:`port_taken` says it in one line)."""
+def start_keeper(env: JobEnv, timeout_s: float, heartbeat_timeout_s: float) -> bool:
+    """Rank 0, where no torchrun agent hosts the rendezvous store: the keeper started on MASTER_PORT
+    (:mod:`shaky.job.keeper`; once a process, as early as the rank knows its config, so that the keeper's start
+    overlaps the rank's own preparing), a keeper of a run that is over told to go first. Whether this process
+    has one (False: not rank 0, or under torchrun's agent store). A port in use raises DistNetworkError naming
+    EADDRINUSE (:func:`port_taken` says it in one line)."""
     rank, world, host, port = _job_address(env)
     rendezvous = importlib.import_module("torch.distributed.rendezvous")
     if rank != 0 or rendezvous._torchelastic_use_agent_store():
-        return None
+        return False
     if keeper.hosted() is None:
         old = keeper.found(host, port)
         if old is not None and keeper.over(old, world):     # the keeper of a run that is over: it goes
@@ -110,6 +111,17 @@ def rank_0_store(env: JobEnv, timeout_s: float, heartbeat_timeout_s: float) -> d
         except OSError as exc:
             raise dist.DistNetworkError(f"the keeper cannot listen on port {port}: {exc} "
                                         f"({'EADDRINUSE' if exc.errno == errno.EADDRINUSE else exc.errno})") from None
+    return True
+
+
+def rank_0_store(env: JobEnv, timeout_s: float, heartbeat_timeout_s: float) -> dist.Store | None:
+    """Rank 0, where no torchrun agent hosts the rendezvous store: starts the keeper on MASTER_PORT
+    (:mod:`shaky.job.keeper`; once a process) and returns a client of its store, as every other rank has. None
+    for any other rank, or under torchrun's agent store. A port in use raises DistNetworkError naming EADDRINUSE
+    (:func:`port_taken` says it in one line)."""
+    if not start_keeper(env, timeout_s, heartbeat_timeout_s):
+        return None
+    _, world, host, port = _job_address(env)
     store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
     store.set(KEEPER_ADDRESS_KEY, f"{host} {port}")     # the control rounds go there too (ControlStore)
     return store
