@@ -47,6 +47,33 @@ def _simulated(tmp_path: Path, **config) -> dict:
     return summary
 
 
+def _started_again(args: list[str], tmp_path: Path, rank: int) -> list[tuple[int, str]]:
+    """The run of ``args`` with ``rank`` killed (SIGKILL) before step 25 and started again at once with the same
+    command line: each rank's (status, stderr)."""
+    port = free_port()
+    procs = launch_ranks(args, tmp_path, f"kill:{rank}:25", WORKERS, env=ENV, port=port)
+    try:
+        assert procs[rank].wait(timeout=120) == -signal.SIGKILL
+        procs[rank] = launch_ranks(args, tmp_path, "", WORKERS, env=ENV, port=port, ranks=[rank])[0]
+    finally:
+        results = _finish(procs, timeout=240)
+    return results
+
+
+def _replayed(run_dir: Path, tmp_path: Path, failures: list[dict]) -> Path:
+    """The simulator replaying ``run_dir``'s trace with its membership (``failures``: the run's
+    ``udp.failures``), in ``tmp_path/replay``."""
+    replay = tmp_path / "replay"
+    toml = "[" + ",".join("{worker=%d,step=%d,rejoin=%d,restart=%s}" % (
+        f["worker"], f["step"], f["rejoin"], str(f.get("restart", False)).lower()) for f in failures) + "]"
+    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(run_dir / "config.toml"),
+                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(run_dir), "--quiet",
+                          "--set", f"failures={toml}", "--out", str(replay)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    return replay
+
+
 def test_survivors_of_a_sigkill_train_on(tmp_path: Path) -> None:
     """Rank 2 is killed with SIGKILL before step 25: the three survivors leave it out at one round boundary,
     serve its block, finish all 60 steps with exit status 0 and end within a point of the simulator's run
@@ -147,27 +174,14 @@ def test_a_process_started_again_for_rank_0_is_taken_back(tmp_path: Path) -> Non
     run_dir = tmp_path / "run"
     args = [*ARGS, "--steps", "400", "--eval-every", "50", "--checkpoint-every", "100", "--set", 'dtype="float64"',
             "--out", str(run_dir)]
-    port = free_port()
-    procs = launch_ranks(args, tmp_path, "kill:0:25", WORKERS, env=ENV, port=port)
-    try:
-        assert procs[0].wait(timeout=120) == -signal.SIGKILL
-        procs[0] = launch_ranks(args, tmp_path, "", WORKERS, env=ENV, port=port, ranks=[0])[0]
-    finally:
-        results = _finish(procs, timeout=240)
-    for rank, (code, err) in enumerate(results):
+    for rank, (code, err) in enumerate(_started_again(args, tmp_path, 0)):
         assert code == 0, f"rank {rank}: {err[-3000:]}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 400 and summary["live_workers"] == 4, summary
     (failure,) = summary["udp"]["failures"]
     assert failure["worker"] == 0 and failure["restart"] and 25 < failure["step"] < failure["rejoin"], failure
     assert [r["step"] for r in _rows_with(run_dir)] == list(range(0, 401, 50))
-    replay = tmp_path / "replay"
-    failures = "[{worker=0,step=%(step)d,rejoin=%(rejoin)d,restart=true}]" % failure
-    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(run_dir / "config.toml"),
-                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(run_dir), "--quiet",
-                          "--set", f"failures={failures}", "--out", str(replay)],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert sim.returncode == 0, sim.stderr[-2000:]
+    replay = _replayed(run_dir, tmp_path, [failure])
     torch.testing.assert_close(load_checkpoint(replay)["params"], load_checkpoint(run_dir)["params"],
                                rtol=0, atol=1e-12)
 
@@ -215,14 +229,7 @@ def test_a_rank_started_again_is_taken_back(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [*ARGS, "--steps", "1500", "--eval-every", "100", "--checkpoint-every", "500", "--strategy", "dts",
             "--set", "strategy.delay=4", "--momentum", "0.9", "--out", str(run_dir)]
-    port = free_port()
-    procs = launch_ranks(args, tmp_path, "kill:2:25", WORKERS, env=ENV, port=port)
-    try:
-        assert procs[2].wait(timeout=120) == -signal.SIGKILL
-        procs[2] = launch_ranks(args, tmp_path, "", WORKERS, env=ENV, port=port, ranks=[2])[0]
-    finally:
-        results = _finish(procs, timeout=240)
-    for rank, (code, err) in enumerate(results):
+    for rank, (code, err) in enumerate(_started_again(args, tmp_path, 2)):
         assert code == 0, f"rank {rank}: {err[-3000:]}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 1500 and summary["live_workers"] == 4, summary
@@ -240,14 +247,7 @@ def test_a_rank_started_again_is_taken_back(tmp_path: Path) -> None:
     _, down, _ = load_trace(str(run_dir), WORKERS, 1500)
     served = np.unpackbits(down[back + 4:], axis=1).reshape(len(down) - back - 4, -1, WORKERS, WORKERS)[:, :, 2]
     assert served.mean() > 0.99, served.mean()
-    replay = tmp_path / "replay"
-    failures = "[" + ",".join("{worker=%(worker)d,step=%(step)d,rejoin=%(rejoin)d,restart=true}" % f
-                              for f in summary["udp"]["failures"]) + "]"
-    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(run_dir / "config.toml"),
-                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(run_dir), "--quiet",
-                          "--set", f"failures={failures}", "--out", str(replay)],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert sim.returncode == 0, sim.stderr[-2000:]
+    replay = _replayed(run_dir, tmp_path, summary["udp"]["failures"])
     # To float rounding, which grows to 1e-4 over 1,500 steps even without a failure (the transport adds in
     # another order than the simulator: 8.8e-5 measured for rps); replayed with the rank keeping its own
     # momentum (restart = false) the same run is 0.17 off.
@@ -320,13 +320,7 @@ def test_survivors_of_rank_0_s_sigkill_train_on_and_keep_the_run_directory(tmp_p
          "trace.npz"])
     load_run_config(run_dir)       # what --resume checks first: config, checkpoint and rows agree
     assert load_checkpoint(run_dir)["counters"]["step"] == 60
-    replay = tmp_path / "replay"
-    failures = "[{worker=0,step=%d,rejoin=-1}]" % failure["step"]
-    sim = subprocess.run([sys.executable, "-m", "shaky", "train", "--config", str(run_dir / "config.toml"),
-                          "--backend", "sim", "--transport", "gloo", "--replay-trace", str(run_dir), "--quiet",
-                          "--set", f"failures={failures}", "--out", str(replay)],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert sim.returncode == 0, sim.stderr[-2000:]
+    replay = _replayed(run_dir, tmp_path, [failure])
     # The live workers' rows (a dead worker's row is, in a udp checkpoint, the live ones' mean: what it would
     # take back; in the simulator's, its row when it died).
     torch.testing.assert_close(load_checkpoint(replay)["params"][1:], load_checkpoint(run_dir)["params"][1:],
