@@ -165,7 +165,9 @@ def restart_decision(rank: int, status: int, *, restarts_used: int, max_restarts
     why = _ended_on_purpose(status, stopping)
     if why is not None:
         return why
-    if (not rank0_running and rank != 0) or run_stopped:
+    if run_stopped:
+        return "the run stopped: there is no run to rejoin"
+    if not rank0_running and rank != 0:
         return "rank 0 has ended: there is no run to rejoin"
     if transport != "udp":
         return ONLY_UDP_TAKES_BACK

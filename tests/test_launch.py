@@ -209,7 +209,7 @@ def test_restart_decision(rank: int, status: int, used: int, rank0_running: bool
     transport = {ONLY_UDP_TAKES_BACK: "gloo", "unknown": None}.get(str(expected), "udp")
     why = restart_decision(rank, status, restarts_used=used, max_restarts=1, rank0_running=rank0_running,
                            stopping=stopping, transport=transport, run_stopped=expected == "stopped with the run")
-    expected = "rank 0 has ended" if expected == "stopped with the run" else expected
+    expected = "the run stopped: there is no run to rejoin" if expected == "stopped with the run" else expected
     assert why is None if expected is None else (ONLY_UDP_TAKES_BACK if expected == "unknown" else expected) in why
 
 

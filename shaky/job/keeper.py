@@ -3,8 +3,8 @@
 Where no torchrun agent hosts the rendezvous store (ranks started by hand, ``shaky launch``), torch would host it
 in rank 0's process: rank 0's death would take with it every key the survivors need (the control rounds, the
 heartbeats, the addresses, the record a process started again reads). Rank 0 instead binds MASTER_PORT, starts a
-keeper on that socket (``python -m shaky.job.keeper``, in a session of its own, with nothing of rank 0's open), and
-joins the store as a client, as every other rank does. The keeper serves the store (torch's TCPStore, the same
+keeper on that socket (forked, or ``python -m shaky.job.keeper``: :func:`start`; in a session of its own, with
+nothing of rank 0's open), and joins the store as a client, as every other rank does. The keeper serves the store (torch's TCPStore, the same
 server) and nothing else: it averages nothing and holds no key, so it is no rank. The udp transport's control
 rounds use the same store (``shaky.membership.quorum.ControlStore``), so any rank may die.
 
@@ -89,11 +89,13 @@ def found(host: str, port: int) -> object | None:
 
 
 def over(store: object, world: int) -> bool:
-    """Whether the run of the keeper behind ``store`` is over: no rank's heartbeat moves (every rank beats every
-    ``shaky.membership.heartbeat.HEARTBEAT_S``, 0.25 s)."""
+    """Whether the run of the keeper behind ``store`` is over: no rank's heartbeat moves for
+    ``shaky.membership.heartbeat.BLIND_S`` (four beats)."""
+    from shaky.membership.heartbeat import BLIND_S  # noqa: PLC0415
+
     beats = [f"shaky/beat/{r}" for r in range(world)]
     before = [int(store.add(k, 0)) for k in beats]      # type: ignore[attr-defined]
-    time.sleep(4 * 0.25)
+    time.sleep(BLIND_S)
     return before == [int(store.add(k, 0)) for k in beats]      # type: ignore[attr-defined]
 
 

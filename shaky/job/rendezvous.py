@@ -236,9 +236,9 @@ def _job_address(env: JobEnv) -> tuple[int, int, str, int]:
 
 def hand_out_resume(env: JobEnv, answer: dict[str, Any], timeout_s: float, heartbeat_timeout_s: float) -> None:
     """Rank 0 of a resumed run, before it joins the process group: sets ``answer`` (``{"config", "run_dir"}``,
-    or ``{"error"}``) in the rendezvous store, which it opens as joining the group would (hosting it, unless
-    torchrun's agent does). With an error it then waits, at most ``timeout_s``, until every other rank has read
-    it: the store may go with this process, and they would wait for it until their timeout."""
+    or ``{"error"}``) in the rendezvous store, which it opens as joining the group would (its keeper's, unless
+    torchrun's agent hosts it). With an error it then waits, at most ``timeout_s``, until every other rank has
+    read it, so that every rank stops with the same line at about the same time."""
     _, world, host, port = _job_address(env)
     k = job_keys(env)
     # The keeper's store (rank_0_store), or torchrun's agent's, without waiting for the other ranks to join (they
