@@ -591,6 +591,101 @@ def test_rounds_go_by_mail_ask_again_for_a_lost_record_reject_strangers_and_fall
             m.close()
 
 
+def test_a_record_of_many_datagrams_goes_by_mail_in_fragments_lost_ones_are_asked_for_and_bad_ones_rejected() -> None:
+    """A record larger than a datagram (an evaluation's mean of the model) travels by mail in fragments: the
+    round waits for no store request, fragments lost on their way are asked for by number and come, and the
+    records are whole on both ranks. Fragments that no sender following the protocol makes (a count that
+    disagrees with the others', an index past the count, a short fragment before the last, more fragments than
+    any record by mail has) are rejected even sealed with the run's key, and never used. A record of one
+    datagram goes in more copies while the network is lossy. A record over MAIL_RECORD_BYTES goes by the
+    store."""
+    import threading  # noqa: PLC0415
+    from datetime import timedelta  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from shaky.membership import mail as mail_module  # noqa: PLC0415
+    from shaky.membership.mail import FRAGMENT_BYTES, MAIL_RECORD_BYTES, RoundMail  # noqa: PLC0415
+    from shaky.membership.quorum import Quorum  # noqa: PLC0415
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    key, run_id = b"k" * 32, 7
+    quorums = [Quorum(lambda r: 0.0, rank, 2, "frag", 1.0, 10.0, ("127.0.0.1", server.port), key, run_id)
+               for rank in (0, 1)]
+    mails = [RoundMail(rank, 2, key, run_id.to_bytes(8, "big"), "127.0.0.1", range(32000, 32100))
+             for rank in (0, 1)]
+    addresses = {rank: m.address for rank, m in enumerate(mails)}
+    for q, m in zip(quorums, mails):
+        m.set_peers(addresses)
+        q.mail = m
+
+    def both(seq: int, records: tuple[bytes, bytes]) -> list[dict[int, bytes]]:
+        got: list[dict[int, bytes]] = [{}, {}]
+
+        def run(rank: int) -> None:
+            got[rank] = quorums[rank].round(seq, records[rank], (0, 1), admit=False).records
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        return got
+
+    rng = np.random.default_rng(0)
+    big = [rng.bytes(40 * FRAGMENT_BYTES + 17), rng.bytes(40 * FRAGMENT_BYTES + 17)]
+    try:
+        # Rank 1's fragments 3 and 39 are lost the first time they are sent: rank 0 asks for them by number.
+        real_send = mails[1]._send
+        sent: list[int] = []
+
+        def lossy(data: bytes, r: int) -> None:
+            index = mail_module._HEADER.unpack_from(data)[4]
+            sent.append(index)
+            if index in (3, 39) and sent.count(index) == 1:
+                return
+            real_send(data, r)
+        mails[1]._send = lossy
+        assert both(0, (big[0], big[1])) == [{0: big[0], 1: big[1]}] * 2
+        mails[1]._send = real_send
+        assert sent.count(3) == 2 and sent.count(39) == 2 and sent.count(0) == 1   # only the lost ones again
+        assert mails[0].asked >= 1 and [q.mail_rounds for q in quorums] == [1, 1]
+        assert [q.store_rounds for q in quorums] == [0, 0]
+
+        # Bad fragments sealed with the run's key, from rank 1's address: each is rejected, none is used.
+        forger = mails[1]
+        bad = [forger._seal(b"R", 1, b"x" * FRAGMENT_BYTES, 0, 3),          # count 3 ...
+               forger._seal(b"R", 1, b"x" * FRAGMENT_BYTES, 1, 4),          # ... then count 4 for the same record
+               forger._seal(b"R", 1, b"x" * 10, 5, 5),                      # an index past the count
+               forger._seal(b"R", 1, b"x" * 10, 0, 5),                      # a short fragment before the last
+               forger._seal(b"R", 1, b"x" * (FRAGMENT_BYTES + 1), 0, 1),    # longer than a fragment
+               forger._seal(b"R", 1, b"x", 0, MAIL_RECORD_BYTES // FRAGMENT_BYTES + 2)]   # too many fragments
+        rejected = mails[0].rejected
+        for datagram in bad:
+            real_send(datagram, 0)
+        deadline = time.monotonic() + 5
+        while mails[0].rejected < rejected + len(bad) - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mails[0].rejected == rejected + len(bad) - 1     # the first (count 3) was taken, as a fragment
+        assert both(1, (b"c", b"d")) == [{0: b"c", 1: b"d"}] * 2   # round 1 is rank 1's real record, whole
+
+        # A record of one datagram goes COPIES times, LOSSY_COPIES while the data plane finds the network lossy.
+        sends: list[int] = []
+        mails[1]._send = lambda data, r: sends.append(r)
+        mails[1].post(90, b"x", [0])
+        mails[1]._lossy = lambda: True
+        mails[1].post(91, b"y", [0])
+        mails[1]._send = real_send
+        assert len(sends) == mail_module.COPIES + mail_module.LOSSY_COPIES == 5
+
+        # A record over MAIL_RECORD_BYTES goes by the store.
+        huge = b"h" * (MAIL_RECORD_BYTES + 1)
+        assert both(2, (huge, huge)) == [{0: huge, 1: huge}] * 2
+        assert [q.store_rounds for q in quorums] == [1, 1]
+    finally:
+        for m in mails:
+            m.close()
+
+
 def test_the_store_sockets_get_a_minimum_retransmission_timeout_of_milliseconds_and_no_other_socket_does() -> None:
     """shorten_store_retransmits sets TCP_RTO_MIN_US on the store's listening socket, on the connections it
     accepted, and on its clients' (found by port), and on no other socket of the process: not on a TCP

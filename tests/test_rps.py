@@ -103,21 +103,29 @@ def test_the_compiled_shares_and_copies_are_the_rule_s_bits(dtype: torch.dtype) 
         assert torch.equal(compiled, want)
 
 
-def test_the_distinct_arrival_patterns_are_torch_uniques() -> None:
-    """server_average groups a block's segments by their row of shares with ``_unique_rows`` (numpy's hashing of
-    the rows as bytes): the same distinct rows, in the same order, and the same index of each row as
-    ``torch.unique(dim=0)``, which it stands in for, for random arrivals, weights (0 among them) and blocks."""
+def test_a_lossy_average_gives_the_same_bits_whether_its_blocks_come_one_by_one_or_together() -> None:
+    """The simulator averages every block in one call, a udp or gloo server only its own: where arrivals differ
+    between a block's segments, server_average takes each value's weighted sum sender by sender, so that the
+    block's average has the same bits in both (float32, random arrivals, weights with 0 among them, a shorter
+    last segment), and equals the formula sum_i w_i a_ik x_i / sum_i w_i a_ik in float64 (1e-12)."""
     g = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        w, b, s = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 6), (1, 3), (1, 80)))
-        p = float(torch.tensor([0.0, 0.05, 0.3, 0.7])[torch.randint(0, 4, (1,), generator=g)])
-        up = torch.rand(w, b, s, generator=g) >= p
+    for _ in range(100):
+        w, b, s, seg = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((2, 7), (2, 5), (2, 30), (1, 9)))
+        n = (s - 1) * seg + int(torch.randint(1, seg + 1, (1,), generator=g))
+        up = torch.rand(w, b, s, generator=g) >= 0.3
         up[0] = True
+        up[1, :, 0] = ~up[1, :, 1]          # every block lossy: its segments' senders differ
         weights = None if torch.rand(1, generator=g) < 0.5 else \
             torch.tensor([0.0, 0.5, 1.0, 2.0])[torch.randint(0, 4, (w,), generator=g)]
         if weights is not None:
-            weights[0] = 1.0
+            weights[:2] = 1.0               # (sender 1's weight 0 would make its losses no loss)
+        x = torch.randn(b, w, n, generator=g)
         share = rps.shares(up, weights, torch.float32)
-        rows = share.transpose(0, 1).reshape(s, b * w)
-        want, got = torch.unique(rows, dim=0, return_inverse=True), rps._unique_rows(rows)
-        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+        together = rps.server_average(share, x, seg)
+        one_by_one = torch.cat([rps.server_average(share[j:j + 1], x[j:j + 1], seg) for j in range(b)])
+        assert torch.equal(together, one_by_one)
+        share64, x64 = rps.shares(up, weights, torch.float64), x.double()
+        a = up.permute(1, 0, 2).repeat_interleave(seg, dim=2)[:, :, :n].double()      # [B, senders, n]
+        wt = torch.ones(w, dtype=torch.float64) if weights is None else weights.double()
+        num, den = (a * wt[:, None] * x64).sum(1), (a * wt[:, None]).sum(1)
+        torch.testing.assert_close(rps.server_average(share64, x64, seg), num / den, rtol=1e-12, atol=1e-12)

@@ -18,7 +18,12 @@ rank, whichever way it took the round in, ends it with the same records.
 
 Every datagram is sealed with the run's key (HMAC-SHA256, 16 bytes, as the store's values: ``Quorum.seal``) over
 its run, kind, sender, round and record, and is taken only from a rank's known address: nothing from outside the
-run is ever used. A record too large for one datagram (a gather of model rows) goes by the store alone.
+run is ever used.
+
+A record larger than one datagram (an evaluation's mean of the model, a checkpoint's gather of rows) travels in
+fragments of :data:`FRAGMENT_BYTES`, each sealed on its own, sent once (the bytes are many, and a receive buffer
+filled twice over loses more than it gains), and put together by the receiver; a receiver that misses some asks
+the sender for those by number. Only a record over :data:`MAIL_RECORD_BYTES` goes by the store alone.
 """
 
 from __future__ import annotations
@@ -30,18 +35,31 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from shaky.comm.udp.sockets import DelayLine, bind_first_free
+from shaky.comm.udp.sockets import _SO_RCVBUFFORCE, _SO_SNDBUFFORCE, DelayLine, _set_buffer, bind_first_free
 
 ASK_AGAIN_S = 0.005
 """How long a rank waits for a record it misses before it asks the sender again (plus the link's round trip
 where latency is emulated), and again after that: a record lost on its way costs about this much."""
-MAIL_RECORD_BYTES = 1200
-"""The largest record sent by mail (a datagram of it fits any path's MTU); a larger one goes by the store."""
+FRAGMENT_BYTES = 1200
+"""The most of a record one datagram carries (with its header and tag it fits any path's MTU)."""
+MAIL_RECORD_BYTES = 1 << 20
+"""The largest record sent by mail (874 fragments); a larger one goes by the store alone."""
 COPIES = 2
-"""Each record is sent this many times: with a fraction p of packets lost, a record is missed with p ** 2."""
+"""A record of one datagram is sent this many times: with a fraction p of packets lost, it is missed with
+p ** 2. A record of several fragments is sent once, and what is missed is asked for again."""
+LOSSY_COPIES = 3
+"""Copies of a one-datagram record while the data plane finds the network lossy (its last round lost more than
+1%: ``UdpExchange.lossy``, which also sends more copies of its streams' last datagrams): missed with p ** 3.
+At 10% of every packet lost, 2 copies left about 1 round in 8 of 4 ranks waiting 5 ms to ask again."""
+BUFFER_BYTES = 4 << 20
+"""Receive and send buffer asked of the kernel for the mail socket (past the sysctl cap where this process
+may): a record of many fragments arrives from every rank at once."""
 
 _MAGIC = b"shkM"
-_HEADER = struct.Struct("<4scHq")       # magic, kind (R: a record, N: asking for one), sender, round
+_HEADER = struct.Struct("<4scHqHH")     # magic, kind (R: a fragment of a record, N: asking for one), sender,
+                                        # round, fragment, fragments (R); an N's body: the fragments missed
+_ASKED = struct.Struct("<H")
+_MOST_ASKED = FRAGMENT_BYTES // _ASKED.size
 _TAG_BYTES = 16
 _KEEP_ROUNDS = 4096
 """Rounds of this rank's own records kept to be sent again (a peer asks only for rounds in flight)."""
@@ -51,14 +69,18 @@ class RoundMail:
     """This rank's mailbox for control rounds' records (:class:`~shaky.membership.quorum.Quorum`).
 
     ``host``/``ports``: where its UDP socket binds (the first free port); ``key``/``run``: the run's udp key and
-    id; ``latency_s``: the one-way latency to emulate to each rank (``dist.emulate_latency``), or None."""
+    id; ``latency_s``: the one-way latency to emulate to each rank (``dist.emulate_latency``), or None;
+    ``lossy``: whether the network loses datagrams now (:data:`LOSSY_COPIES` copies then)."""
 
     def __init__(self, rank: int, num_workers: int, key: bytes, run: bytes, host: str, ports: range,
-                 latency_s: Sequence[float] | None = None) -> None:
+                 latency_s: Sequence[float] | None = None, lossy: Callable[[], bool] = lambda: False) -> None:
         self.rank, self.num_workers = rank, num_workers
+        self._lossy = lossy
         self._key, self._run = key, run
         self._sock = bind_first_free(host, ports, socket.SOCK_DGRAM)
         self._sock.settimeout(0.2)
+        _set_buffer(self._sock, socket.SO_RCVBUF, _SO_RCVBUFFORCE, BUFFER_BYTES)
+        _set_buffer(self._sock, socket.SO_SNDBUF, _SO_SNDBUFFORCE, BUFFER_BYTES)
         self.address: tuple[str, int] = self._sock.getsockname()
         self._delays = list(latency_s) if latency_s and any(latency_s) else None
         self._line = DelayLine(self._sock) if self._delays else None
@@ -66,8 +88,11 @@ class RoundMail:
         self._cv = threading.Condition()
         self._got: dict[int, dict[int, bytes]] = {}
         """Records heard, by round, then by sender."""
-        self._mine: dict[int, bytes] = {}
-        """This rank's datagrams of recent rounds, to send again when asked."""
+        self._parts: dict[int, dict[int, tuple[int, dict[int, bytes]]]] = {}
+        """Records not yet whole, by round, then by sender: their count of fragments, and those heard, by
+        number."""
+        self._mine: dict[int, list[bytes]] = {}
+        """This rank's datagrams of recent rounds (a record's fragments), to send again when asked."""
         self._floor = 0
         """Rounds below it are taken in: what comes for them is dropped."""
         self.rejected = 0
@@ -84,16 +109,23 @@ class RoundMail:
             self._peers = {r: (a[0], int(a[1])) for r, a in peers.items() if r != self.rank}
 
     def post(self, seq: int, record: bytes, to: Sequence[int]) -> None:
-        """This rank's ``record`` of round ``seq``, sent to the ranks ``to`` (each :data:`COPIES` times)."""
-        data = self._seal(b"R", seq, record)
+        """This rank's ``record`` of round ``seq`` (at most :data:`MAIL_RECORD_BYTES`), sent to the ranks
+        ``to``: each :data:`COPIES` (:data:`LOSSY_COPIES`) times if it fits one datagram, else in fragments,
+        once."""
+        if len(record) > MAIL_RECORD_BYTES:
+            raise ValueError(f"a record of {len(record)} bytes is over MAIL_RECORD_BYTES = {MAIL_RECORD_BYTES}")
+        count = max(1, -(-len(record) // FRAGMENT_BYTES))
+        data = [self._seal(b"R", seq, record[i * FRAGMENT_BYTES:(i + 1) * FRAGMENT_BYTES], i, count)
+                for i in range(count)]
         with self._cv:
             self._mine[seq] = data
             if len(self._mine) > _KEEP_ROUNDS:
                 for old in sorted(self._mine)[:len(self._mine) - _KEEP_ROUNDS]:
                     del self._mine[old]
-        for _ in range(COPIES):
+        for _ in range(1 if count > 1 else LOSSY_COPIES if self._lossy() else COPIES):
             for r in to:
-                self._send(data, r)
+                for datagram in data:
+                    self._send(datagram, r)
 
     def wait(self, seq: int, ranks: Sequence[int], give_up: Callable[[list[int]], bool]) -> dict[int, bytes] | None:
         """The records of round ``seq`` from every rank of ``ranks``, waiting for them and asking their senders
@@ -123,11 +155,11 @@ class RoundMail:
                         asked_at[r] = now
                         due.append(r)
                 if due:
-                    ask = self._seal(b"N", seq, b"")
+                    asks = [(r, self._ask(seq, r)) for r in due]
                     self.asked += len(due)
                     self._cv.release()
                     try:
-                        for r in due:
+                        for r, ask in asks:
                             self._send(ask, r)
                     finally:
                         self._cv.acquire()
@@ -140,8 +172,16 @@ class RoundMail:
         with self._cv:
             if seq > self._floor:
                 self._floor = seq
-                for old in [s for s in self._got if s < seq]:
-                    del self._got[old]
+                for held in (self._got, self._parts):
+                    for old in [s for s in held if s < seq]:
+                        del held[old]
+
+    def done_below(self, seq: int) -> None:
+        """Every live rank has taken in every round below ``seq``: none will ask for this rank's records of
+        them again."""
+        with self._cv:
+            for old in [s for s in self._mine if s < seq]:
+                del self._mine[old]
 
     def close(self) -> None:
         self._closed = True
@@ -171,8 +211,18 @@ class RoundMail:
         except OSError:     # a full buffer, an ICMP error from an earlier datagram: this one is lost
             pass
 
-    def _seal(self, kind: bytes, seq: int, record: bytes) -> bytes:
-        head = _HEADER.pack(_MAGIC, kind, self.rank, seq)
+    def _ask(self, seq: int, r: int) -> bytes:
+        """An ask for rank ``r``'s record of round ``seq``: the fragments missed (the first
+        :data:`_MOST_ASKED`; the rest in a later ask), or none named (all of them) if none came yet."""
+        held = self._parts.get(seq, {}).get(r)
+        if held is None:
+            return self._seal(b"N", seq, b"")
+        count, parts = held
+        missed = [i for i in range(count) if i not in parts][:_MOST_ASKED]
+        return self._seal(b"N", seq, b"".join(_ASKED.pack(i) for i in missed))
+
+    def _seal(self, kind: bytes, seq: int, record: bytes, index: int = 0, count: int = 1) -> bytes:
+        head = _HEADER.pack(_MAGIC, kind, self.rank, seq, index, count)
         return head + record + self._tag(head, record)
 
     def _tag(self, head: bytes, record: bytes) -> bytes:
@@ -197,18 +247,45 @@ class RoundMail:
             self.rejected += 1
             return
         head, record, tag = data[:_HEADER.size], data[_HEADER.size:-_TAG_BYTES], data[-_TAG_BYTES:]
-        magic, kind, sender, seq = _HEADER.unpack(head)
+        magic, kind, sender, seq, index, count = _HEADER.unpack(head)
         with self._cv:
             if magic != _MAGIC or self._peers.get(sender) != addr or kind not in (b"R", b"N") or \
                     not hmac.compare_digest(tag, self._tag(head, record)):
                 self.rejected += 1
                 return
+            again: list[bytes] = []
             if kind == b"N":
-                again = self._mine.get(seq)
-            else:
-                again = None
-                if seq >= self._floor:
-                    self._got.setdefault(seq, {}).setdefault(sender, record)
-                    self._cv.notify_all()
-        if again is not None:
-            self._send(again, sender)
+                mine = self._mine.get(seq)
+                if mine is not None and len(record) % _ASKED.size == 0:
+                    asked = [i for (i,) in _ASKED.iter_unpack(record)] if record else range(len(mine))
+                    again = [mine[i] for i in asked if i < len(mine)] or mine    # (none of them: all)
+            elif seq >= self._floor and sender not in self._got.get(seq, {}):
+                self._fragment(seq, sender, index, count, record)
+        for datagram in again:
+            self._send(datagram, sender)
+
+    def _fragment(self, seq: int, sender: int, index: int, count: int, record: bytes) -> None:
+        """Fragment ``index`` of ``count`` of ``sender``'s record of round ``seq``, kept (under the lock) until
+        the record is whole. A fragment that disagrees with the others (their count, a size that no record of
+        :data:`MAIL_RECORD_BYTES` has) is rejected: sealed with the run's key, it can come only from a rank
+        that does not follow this protocol."""
+        last = count - 1
+        if not (index < count <= -(-MAIL_RECORD_BYTES // FRAGMENT_BYTES)) or len(record) > FRAGMENT_BYTES or \
+                (index < last and len(record) != FRAGMENT_BYTES):
+            self.rejected += 1
+            return
+        if count == 1:
+            whole: bytes | None = record
+        else:
+            held, parts = self._parts.setdefault(seq, {}).setdefault(sender, (count, {}))
+            if held != count:
+                self.rejected += 1
+                return
+            parts.setdefault(index, record)
+            whole = None
+            if len(parts) == count:
+                whole = b"".join(parts[i] for i in range(count))
+                del self._parts[seq][sender]
+        if whole is not None:
+            self._got.setdefault(seq, {})[sender] = whole
+            self._cv.notify_all()

@@ -154,7 +154,7 @@ class Quorum:
         self.mail_rounds = 0
         """Rounds that every live rank's record reached by mail (no store request waited for)."""
         self.store_rounds = 0
-        """Rounds the store decided (a rank missing, one taken back, a record too large for a datagram)."""
+        """Rounds the store decided (a rank missing, one taken back, a record too large for mail)."""
 
     def join_key(self, rank: int) -> str:
         """Where a process started again for ``rank`` asks to be taken back."""
@@ -266,9 +266,9 @@ class Quorum:
         declared dead in it. Rounds may run at once, in different threads; each of them agrees on its own
         records, and the comm takes them in in order (a rank is live after a round if it was before and its
         record is in). ``admit``: the round may take in ranks started again (the first round submitted in
-        each step). The records travel by mail too (:attr:`mail`), unless ``by_store``, a record is too large for
-        a datagram or the round may take ranks back: a round heard from every live rank by mail is done without
-        waiting for the store."""
+        each step). The records travel by mail too (:attr:`mail`), unless ``by_store``, a record is over
+        MAIL_RECORD_BYTES or the round may take ranks back: a round heard from every live rank by mail is done
+        without waiting for the store."""
         store, key = self.client(), f"{self.prefix}/{seq}"
         self.ask_if_paused(store)
         t0 = time.perf_counter()

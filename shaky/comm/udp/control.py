@@ -220,7 +220,8 @@ class QuorumControl:
         # The rounds' records by mail too (shaky.membership.mail): a round that hears every live rank costs no
         # TCP round trip. Its address goes where the data plane's are (the rendezvous store).
         try:
-            self._mail = RoundMail(me, w, key, run_id.to_bytes(8, "big"), host, ports, latency_s)
+            self._mail = RoundMail(me, w, key, run_id.to_bytes(8, "big"), host, ports, latency_s,
+                                   lossy=lambda: any(ex.lossy for ex in comm.exchanges))
         except OSError as exc:
             raise ValueError(f"rank {me} cannot open its control plane's UDP socket: {exc} (see dist.ports and "
                              "dist.host)") from None
@@ -490,7 +491,9 @@ class QuorumControl:
             if len(records[r]) != size:
                 raise RuntimeError(f"control round: rank {r}'s record has {len(records[r])} bytes where this "
                                    f"rank's has {size} (the ranks' control calls differ)")
-        q.sweep(rnd.seq, result.keys, below=min(struct.unpack_from("<q", records[r])[0] for r in live))
+        below = min(struct.unpack_from("<q", records[r])[0] for r in live)
+        q.sweep(rnd.seq, result.keys, below=below)
+        self._mail.done_below(below)
         # Rounds in flight when a rank was taken back may have agreed to take it back too: once is enough.
         if taken_back := [r for r in result.admitted if r not in q.live]:
             self._admitted = tuple(sorted({*self._admitted, *taken_back}))

@@ -389,6 +389,8 @@ class UdpExchange:
         self._last_round = -1
         self._copies = min(1, self.options.final_copies)
         """Copies of each stream's very last datagram this round sends (``UdpOptions.final_copies``)."""
+        self.lossy = False
+        """Whether the last round lost more than :data:`LOSSY_ROUND` of the datagrams this rank expected."""
         self._later: list[tuple[bytes, int, tuple]] = []     # (datagram or GRO batch, its segment size or 0, sender)
         self._later_count = 0
         self._delayed: list[tuple[bytes, tuple[str, int]]] = []     # the fault hook's "hold"
@@ -536,8 +538,8 @@ class UdpExchange:
         self._prev = state.finished()
         self._cur = None
         expected = state.expected1 + state.expected2
-        self._copies = self.options.final_copies if self._st.received < expected * (1 - LOSSY_ROUND) else \
-            min(1, self.options.final_copies)
+        self.lossy = self._st.received < expected * (1 - LOSSY_ROUND)
+        self._copies = self.options.final_copies if self.lossy else min(1, self.options.final_copies)
         self._last_round = state.round
         delayed, self._delayed = self._delayed, []
         for data, addr in delayed:
