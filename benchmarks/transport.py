@@ -42,7 +42,9 @@ rounds  one round of each operation on a [1, n] float32 row per rank, interleave
 train   ``torchrun -m shaky train --backend dist`` on digits with an MLP, 4 workers, ``--steps``: reliable
         allreduce over gloo (TCP dropped) against rps over udp (UDP dropped); wall time of the whole
         torchrun command (each in its own pid namespace, killed whole after ``--train-timeout``) and the
-        final test accuracy from the run directory's summary.json.
+        final test accuracy from the run directory's summary.json. ``--launcher shaky``: ``shaky launch``
+        starts the ranks instead (the way survivors train on: the run's store in a keeper process, not in
+        torchrun's agent and rank 0).
 
 Prints Markdown tables of medians and ratios, all measured in this run (the machine is noisy: compare
 ratios within a run); ``--json`` keeps every number (rewritten after each measurement, so an interrupted
@@ -409,19 +411,22 @@ def _last_step(run_dir: Path) -> int | None:
 
 
 def run_training(losses: list[float], steps: int, timeout_s: float,
-                 save: Callable[[list[dict[str, Any]]], None], runs: list[str], every_packet: bool = False) -> None:
-    """One torchrun per (transport, loss), each in its own pid namespace (a timeout kills all of it);
-    ``save`` gets the rows so far after each. ``every_packet``: the rule drops every protocol's packets (a real
-    lossy network's), not only the run's data plane's."""
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
+                 save: Callable[[list[dict[str, Any]]], None], runs: list[str], every_packet: bool = False,
+                 launcher: str = "torchrun") -> None:
+    """One torchrun (``launcher`` "shaky": ``shaky launch``) per (transport, loss), each in its own pid
+    namespace (a timeout kills all of it); ``save`` gets the rows so far after each. ``every_packet``: the rule
+    drops every protocol's packets (a real lossy network's), not only the run's data plane's."""
+    start = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(WORLD), "--master-addr",
+             "127.0.0.1", "--master-port", "{port}", "-m", "shaky", "train"] if launcher == "torchrun" else \
+        [sys.executable, "-m", "shaky", "launch", "--nproc-per-node", str(WORLD), "--master-port", "{port}", "train"]
     out: list[dict[str, Any]] = []
     for p in losses:
         for name in runs:
             proto, flags = RUNS[name]
             with tempfile.TemporaryDirectory(prefix="shaky-transport-") as tmp:
                 run_dir = Path(tmp) / "run"
-                cmd = ["unshare", "--pid", "--fork", "--kill-child", torchrun, "--nproc-per-node", str(WORLD),
-                       "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "shaky", "train",
+                port = str(_free_port())
+                cmd = ["unshare", "--pid", "--fork", "--kill-child", *(port if a == "{port}" else a for a in start),
                        "--backend", "dist", *flags, "--workers", str(WORLD), "--steps", str(steps),
                        "--out", str(run_dir), "--quiet"]
                 set_loss("all" if every_packet else proto, p)
@@ -437,7 +442,7 @@ def run_training(losses: list[float], steps: int, timeout_s: float,
                     wall = time.perf_counter() - t0
                     set_loss(proto, 0.0)
                     record: dict[str, Any] = {"run": name, "loss": p, "steps": steps, "wall_s": wall,
-                                              "dropped": "all" if every_packet else proto}
+                                              "dropped": "all" if every_packet else proto, "launcher": launcher}
                     if rc is None:
                         record.update(status="timeout", last_step=_last_step(run_dir))
                     elif rc != 0:
@@ -559,9 +564,11 @@ def print_training(rows: list[dict[str, Any]]) -> None:
             "udp not used"], table)
     dropped = sorted({r.get("dropped", "the run's own protocol") for r in rows})
     print(f"\npackets dropped: {', '.join(dropped)}")
-    print(f"{rows[0]['steps']} steps; wall s: the whole torchrun command (start-up included); train s: the training "
+    launched = sorted({r.get("launcher", "torchrun") for r in rows})
+    print(f"{rows[0]['steps']} steps, started by {', '.join(launched)}; wall s: the whole launch command (start-up "
+          "included); train s: the training "
           "loop (summary.json's wall_time_s); steps s: its steps alone (wall_time_s - eval_time_s: the evaluations,\n"
-          "every 50 steps, take rounds of means whose gathers go to rank 0's store over TCP);\nx0: over the same run at loss 0; points: test accuracy minus the same "
+          "every 50 steps, take rounds of means; on udp they go by mail since 2026-11-28, before to rank 0's store over TCP);\nx0: over the same run at loss 0; points: test accuracy minus the same "
           "run's at loss 0, in percentage points;\nudp not used: summary.json's observed_loss (1 - datagrams used / "
           "expected)")
 
@@ -687,6 +694,8 @@ def main() -> int:
     parser.add_argument("--train-timeout", type=float, help="seconds one training run may take (default 600)")
     parser.add_argument("--every-packet", action="store_true",
                         help="train part: drop every protocol's packets (TCP too), not only the run's data plane's")
+    parser.add_argument("--launcher", choices=("torchrun", "shaky"), default="torchrun",
+                        help="train part: what starts the ranks (default torchrun; shaky: shaky launch)")
     parser.add_argument("--keep-gso", action="store_true",
                         help="leave lo's GSO on throughout: the rounds part measures only its batching-on rows "
                              "(loss 0); a training run's rule then drops whole batches")
@@ -789,7 +798,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             run_rounds([int(s) for s in args.sizes], args.losses, args.repeats, args.timeout, keeper(part), dgram)
         else:
             part["meta"].update(steps=args.steps, timeout_s=args.train_timeout)
-            run_training(args.losses, args.steps, args.train_timeout, keeper(part), args.runs, args.every_packet)
+            run_training(args.losses, args.steps, args.train_timeout, keeper(part), args.runs, args.every_packet,
+                         args.launcher)
         done(part)
     return data
 

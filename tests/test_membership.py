@@ -686,6 +686,56 @@ def test_a_record_of_many_datagrams_goes_by_mail_in_fragments_lost_ones_are_aske
             m.close()
 
 
+def test_a_round_that_may_take_a_rank_back_goes_by_mail_and_every_survivor_takes_back_the_same() -> None:
+    """Rank 2 is out of a 3-rank run; ranks 0 and 1 run a round that may take ranks back (a step's first). The
+    heartbeat thread's look finds a process started again asking for rank 2 (its join key); a round in which
+    any survivor saw it takes rank 2 back on both, by mail, with no store round; one in which nobody saw it
+    takes nobody back; and the records come back as they were written."""
+    import threading  # noqa: PLC0415
+    from datetime import timedelta  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from shaky.membership.mail import RoundMail  # noqa: PLC0415
+    from shaky.membership.quorum import Quorum  # noqa: PLC0415
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    key, run_id = b"k" * 32, 7
+    quorums = [Quorum(lambda r: 0.0, rank, 3, "admit", 1.0, 10.0, ("127.0.0.1", server.port), key, run_id)
+               for rank in (0, 1)]
+    mails = [RoundMail(rank, 3, key, run_id.to_bytes(8, "big"), "127.0.0.1", range(32000, 32100))
+             for rank in (0, 1)]
+    for q, m in zip(quorums, mails):
+        m.set_peers({rank: other.address for rank, other in enumerate(mails)})
+        q.mail, q.live = m, (0, 1)
+
+    def both(seq: int) -> list[tuple[dict[int, bytes], tuple[int, ...]]]:
+        got: list[tuple[dict[int, bytes], tuple[int, ...]]] = [({}, ()), ({}, ())]
+
+        def run(rank: int) -> None:
+            result = quorums[rank].round(seq, f"r{rank}".encode(), (0, 1), admit=True)
+            got[rank] = (result.records, result.admitted)
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        return got
+
+    try:
+        assert both(0) == [({0: b"r0", 1: b"r1"}, ())] * 2
+        quorums[0].look_for_joins(server)
+        assert quorums[0].asking == frozenset()
+        server.set(quorums[0].join_key(2), "asks")
+        quorums[0].look_for_joins(server)       # rank 1 has not looked yet: rank 0's record alone names rank 2
+        assert quorums[0].asking == {2} and quorums[1].asking == frozenset()
+        assert both(1) == [({0: b"r0", 1: b"r1"}, (2,))] * 2
+        assert [q.mail_rounds for q in quorums] == [2, 2] and [q.store_rounds for q in quorums] == [0, 0]
+    finally:
+        for m in mails:
+            m.close()
+
+
 def test_the_store_sockets_get_a_minimum_retransmission_timeout_of_milliseconds_and_no_other_socket_does() -> None:
     """shorten_store_retransmits sets TCP_RTO_MIN_US on the store's listening socket, on the connections it
     accepted, and on its clients' (found by port), and on no other socket of the process: not on a TCP

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -53,6 +54,8 @@ class Heartbeat:
         self._longest_gap = 0.0
         """The longest time between two of this process's beats since :meth:`paused_s` last reset it."""
         self._thread: threading.Thread | None = None
+        self.looks: list[Callable[[dist.Store], None]] = []
+        """What else the thread looks at in the store each beat, in its client (the quorum's join requests)."""
 
     def start(self, store: dist.Store | None = None, *, watching: bool = False) -> Heartbeat:
         """Beats in ``store`` (None: the rendezvous store) from now on, from a thread (in a client of its own
@@ -86,6 +89,8 @@ class Heartbeat:
                         if blind or self.seen.get(r, (None,))[0] != beat:
                             self.seen[r] = (beat, before)
                     self._looked_at = now
+                for look in self.looks:
+                    look(store)
             except RuntimeError:  # the store is gone (its host died, or the job ended)
                 return
             if self._stop.wait(HEARTBEAT_S):

@@ -28,9 +28,12 @@ the sender for those by number. Only a record over :data:`MAIL_RECORD_BYTES` goe
 
 from __future__ import annotations
 
+import fcntl
 import hmac
+import math
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -93,6 +96,11 @@ class RoundMail:
         number."""
         self._mine: dict[int, list[bytes]] = {}
         """This rank's datagrams of recent rounds (a record's fragments), to send again when asked."""
+        self._sent_all_at: dict[tuple[int, int], float] = {}
+        """When this rank last sent all of its record of a recent round of several fragments, by round and
+        receiver."""
+        self._heard_at: dict[tuple[int, int], float] = {}
+        """When the last fragment of a record not yet whole arrived, by round and sender."""
         self._floor = 0
         """Rounds below it are taken in: what comes for them is dropped."""
         self.rejected = 0
@@ -126,12 +134,16 @@ class RoundMail:
             for r in to:
                 for datagram in data:
                     self._send(datagram, r)
+        if count > 1:
+            with self._cv:
+                self._sent_all_at.update(((seq, r), time.monotonic()) for r in to)
 
     def wait(self, seq: int, ranks: Sequence[int], give_up: Callable[[list[int]], bool]) -> dict[int, bytes] | None:
         """The records of round ``seq`` from every rank of ``ranks``, waiting for them and asking their senders
         again for those that do not come; None once ``give_up(missing)`` says so (asked every 50 ms while
         records are missing: a missing rank's heartbeat went silent, the round must go to the store)."""
         asked_at = {r: time.monotonic() for r in ranks}
+        times_asked = dict.fromkeys(ranks, 0)
         looked_at = time.monotonic()
         with self._cv:
             while True:
@@ -149,11 +161,17 @@ class RoundMail:
                     finally:
                         self._cv.acquire()
                     continue
-                due = []
-                for r in missing:
-                    if now - asked_at[r] >= self._ask_after(r):
-                        asked_at[r] = now
-                        due.append(r)
+                # A record is asked for once it has been quiet a while, twice as long after each ask (5, 10, 20,
+                # 40, 80 ms), and, while datagrams wait unread in the socket (this rank's receiving thread is
+                # behind: what it asks for may be there), not before four times as long.
+                due = [r for r in missing if now - self._quiet_since(seq, r, asked_at[r]) >=
+                       self._ask_after(r) * 2 ** min(times_asked[r], 4)]
+                if due and self._unread():
+                    due = [r for r in due if now - self._quiet_since(seq, r, asked_at[r]) >=
+                           4 * self._ask_after(r) * 2 ** min(times_asked[r], 4)]
+                for r in due:
+                    asked_at[r] = now
+                    times_asked[r] += 1
                 if due:
                     asks = [(r, self._ask(seq, r)) for r in due]
                     self.asked += len(due)
@@ -164,7 +182,8 @@ class RoundMail:
                     finally:
                         self._cv.acquire()
                     continue
-                wake = min([asked_at[r] + self._ask_after(r) for r in missing] + [looked_at + 0.05])
+                wake = min([self._quiet_since(seq, r, asked_at[r]) + self._ask_after(r) * 2 ** min(times_asked[r], 4)
+                            for r in missing] + [looked_at + 0.05])
                 self._cv.wait(max(wake - now, 0.0005))
 
     def taken_below(self, seq: int) -> None:
@@ -175,6 +194,8 @@ class RoundMail:
                 for held in (self._got, self._parts):
                     for old in [s for s in held if s < seq]:
                         del held[old]
+                for old in [k for k in self._heard_at if k[0] < seq]:
+                    del self._heard_at[old]
 
     def done_below(self, seq: int) -> None:
         """Every live rank has taken in every round below ``seq``: none will ask for this rank's records of
@@ -182,6 +203,8 @@ class RoundMail:
         with self._cv:
             for old in [s for s in self._mine if s < seq]:
                 del self._mine[old]
+            for old in [k for k in self._sent_all_at if k[0] < seq]:
+                del self._sent_all_at[old]
 
     def close(self) -> None:
         self._closed = True
@@ -210,6 +233,18 @@ class RoundMail:
             self._sock.sendto(data, addr)
         except OSError:     # a full buffer, an ICMP error from an earlier datagram: this one is lost
             pass
+
+    def _unread(self) -> bool:
+        """Whether a datagram waits in the socket, not yet taken by the receiving thread."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+        except OSError:
+            return False
+
+    def _quiet_since(self, seq: int, r: int, asked_at: float) -> float:
+        """Since when rank ``r``'s record of round ``seq`` has been quiet: the last ask for it, or the last of
+        its fragments to arrive if later (a record still coming in is not asked for)."""
+        return max(asked_at, self._heard_at.get((seq, r), asked_at))
 
     def _ask(self, seq: int, r: int) -> bytes:
         """An ask for rank ``r``'s record of round ``seq``: the fragments missed (the first
@@ -256,9 +291,15 @@ class RoundMail:
             again: list[bytes] = []
             if kind == b"N":
                 mine = self._mine.get(seq)
-                if mine is not None and len(record) % _ASKED.size == 0:
+                # An ask for all of a record of several fragments that crossed them on their way (sent all
+                # of it lately) is not answered: the asker, once they are in, asks for what it misses by number.
+                now = time.monotonic()
+                crossed = not record and now - self._sent_all_at.get((seq, sender), -math.inf) < ASK_AGAIN_S
+                if mine is not None and len(record) % _ASKED.size == 0 and not crossed:
                     asked = [i for (i,) in _ASKED.iter_unpack(record)] if record else range(len(mine))
                     again = [mine[i] for i in asked if i < len(mine)] or mine    # (none of them: all)
+                    if len(again) == len(mine) > 1:
+                        self._sent_all_at[seq, sender] = now
             elif seq >= self._floor and sender not in self._got.get(seq, {}):
                 self._fragment(seq, sender, index, count, record)
         for datagram in again:
@@ -282,10 +323,12 @@ class RoundMail:
                 self.rejected += 1
                 return
             parts.setdefault(index, record)
+            self._heard_at[seq, sender] = time.monotonic()
             whole = None
             if len(parts) == count:
                 whole = b"".join(parts[i] for i in range(count))
                 del self._parts[seq][sender]
+                self._heard_at.pop((seq, sender), None)
         if whole is not None:
             self._got.setdefault(seq, {})[sender] = whole
             self._cv.notify_all()

@@ -155,6 +155,16 @@ class Quorum:
         """Rounds that every live rank's record reached by mail (no store request waited for)."""
         self.store_rounds = 0
         """Rounds the store decided (a rank missing, one taken back, a record too large for mail)."""
+        self.asking: frozenset[int] = frozenset()
+        """The ranks out of the run for which a process started again asks to be taken back, as the heartbeat
+        thread last looked (:meth:`look_for_joins`)."""
+
+    def look_for_joins(self, store: dist.Store) -> None:
+        """In the heartbeat thread, every beat (in its client): which ranks out of the run a process started again
+        asks to take back (their join key is there). A round that may take ranks back carries what this rank
+        saw, so that it needs no store request of its own (:meth:`round`)."""
+        out = [r for r in range(self.num_workers) if r not in self.live]
+        self.asking = frozenset(r for r in out if store.check([self.join_key(r)]))
 
     def join_key(self, rank: int) -> str:
         """Where a process started again for ``rank`` asks to be taken back."""
@@ -266,16 +276,19 @@ class Quorum:
         declared dead in it. Rounds may run at once, in different threads; each of them agrees on its own
         records, and the comm takes them in in order (a rank is live after a round if it was before and its
         record is in). ``admit``: the round may take in ranks started again (the first round submitted in
-        each step). The records travel by mail too (:attr:`mail`), unless ``by_store``, a record is over
-        MAIL_RECORD_BYTES or the round may take ranks back: a round heard from every live rank by mail is done
-        without waiting for the store."""
+        each step). The records travel by mail too (:attr:`mail`), unless ``by_store`` or a record is over
+        MAIL_RECORD_BYTES: a round heard from every live rank by mail is done without waiting for the store.
+        A round that may take ranks back while some are out carries in each record which of them this rank saw
+        a process started again ask for (:attr:`asking`), and takes back those that any record names."""
         store, key = self.client(), f"{self.prefix}/{seq}"
         self.ask_if_paused(store)
         t0 = time.perf_counter()
         ranks = [self.rank, *(r for r in live if r != self.rank)]      # this rank's own key read first
         keys = [f"{key}/{r}" for r in ranks]
-        dead = [r for r in range(self.num_workers) if r not in live]
-        mail = self.mail if not by_store and len(record) <= MAIL_RECORD_BYTES and not (admit and dead) else None
+        asks = [r for r in range(self.num_workers) if r not in live] if admit else []
+        if asks:    # a byte for each rank out of the run: whether this rank saw a process ask to take it back
+            record = bytes(r in self.asking for r in asks) + record
+        mail = self.mail if not by_store and len(record) <= MAIL_RECORD_BYTES else None
         if mail is None:
             self._hold(1)       # the append goes with the multi_get's first request: no answer of its own
         # First into the store (no answer: nothing waits), then by mail: a record heard by mail is in the store.
@@ -285,10 +298,10 @@ class Quorum:
             heard = mail.wait(seq, ranks[1:], self._mail_gives_up(store))
             if heard is not None:   # every live rank's record: the round is the one the store holds
                 self.mail_rounds += 1
-                return RoundResult({self.rank: record, **heard}, (), keys[:1], time.perf_counter() - t0)
+                return self._result({self.rank: record, **heard}, asks, keys[:1], t0)
         elif mail is not None:
             self.mail_rounds += 1
-            return RoundResult({self.rank: record}, (), keys[:1], time.perf_counter() - t0)
+            return self._result({self.rank: record}, asks, keys[:1], t0)
         self.store_rounds += 1
         missing, values = ranks[1:], None       # values: every key of the round, read (in ``ranks``' order)
         replaced: set[int] = set()      # missing ranks for which a new process asks to be taken back
@@ -328,15 +341,18 @@ class Quorum:
         mine = [keys[0]]
         if self.rank == included[0]:      # the lowest survivor deletes what the dead left in the round
             mine += [f"{key}/{r}" for r in live if r not in records]
-        admitted: tuple[int, ...] = ()
-        if admit and dead:    # every survivor asks, and the first answer holds: "+" and the ranks to take back
-            joining = ",".join(str(r) for r in dead if store.check([self.join_key(r)]))
-            agreed = self.opened(f"{key}/admit", store.compare_set(
-                f"{key}/admit", "", self.seal(f"{key}/admit", f"+{joining}".encode()))).decode()[1:]
-            admitted = tuple(map(int, agreed.split(","))) if agreed else ()
-            if self.rank == included[0]:
-                mine.append(f"{key}/admit")
-        return RoundResult(records, admitted, mine, time.perf_counter() - t0)
+        return self._result(records, asks, mine, t0)
+
+    @staticmethod
+    def _result(records: dict[int, bytes], asks: list[int], keys: list[str], t0: float) -> RoundResult:
+        """A round's result from its records. With ``asks`` (the ranks out of the run, in a round that may take
+        ranks back) each record starts with a byte for each: whether its rank saw a process started again ask
+        for it. Every survivor holds the same records, so every survivor takes back the same ranks: those that
+        any record names."""
+        n = len(asks)
+        admitted = tuple(r for i, r in enumerate(asks) if any(record[i] for record in records.values()))
+        return RoundResult({r: record[n:] for r, record in records.items()}, admitted, keys,
+                           time.perf_counter() - t0)
 
     def _mail_gives_up(self, store: dist.Store) -> Callable[[list[int]], bool]:
         """When a round waiting for records by mail goes to the store instead: a missing rank's heartbeat went

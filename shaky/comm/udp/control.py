@@ -230,6 +230,7 @@ class QuorumControl:
         # asks to be taken back, in another store, so that the survivors never learn a dead process's instead.
         comm.store.get(self._mail_key(me))
         self._quorum.mail = self._mail
+        heartbeat.looks.append(self._quorum.look_for_joins)
         # Progress marks too: a request a step to the rendezvous store, which torchrun's agent may host, would
         # wait out TCP's 200 ms after each lost answer (ControlStore).
         heartbeat.marks = self._quorum.store
