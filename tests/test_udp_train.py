@@ -69,6 +69,7 @@ def _replayed(out: Path, tmp_path: Path, *extra: str) -> Path:
     return replay
 
 
+@pytest.mark.kill  # 24 s, multi-process (make test-kill; the every-packet run below replays in make test)
 def test_a_real_lossy_udp_run_replays_in_the_simulator(tmp_path: Path) -> None:
     """10% of the datagrams really lost, and rank 1 is told to stop (SIGTERM, as a preemption) before step 30:
     every rank stops after that step with a checkpoint, the run is resumed and finishes, its trace holds what

@@ -161,14 +161,14 @@ class RoundMail:
                     finally:
                         self._cv.acquire()
                     continue
-                # A record is asked for once it has been quiet a while, twice as long after each ask (5, 10, 20,
-                # 40, 80 ms), and, while datagrams wait unread in the socket (this rank's receiving thread is
-                # behind: what it asks for may be there), not before four times as long.
+                # A record is asked for once it has been quiet a while, twice as long after each of the first
+                # asks (5, 10, 20, 20 ... ms), and, while datagrams wait unread in the socket (this rank's
+                # receiving thread is behind: what it asks for may be there), not before four times as long.
                 due = [r for r in missing if now - self._quiet_since(seq, r, asked_at[r]) >=
-                       self._ask_after(r) * 2 ** min(times_asked[r], 4)]
+                       self._ask_every(r, times_asked[r])]
                 if due and self._unread():
                     due = [r for r in due if now - self._quiet_since(seq, r, asked_at[r]) >=
-                           4 * self._ask_after(r) * 2 ** min(times_asked[r], 4)]
+                           4 * self._ask_every(r, times_asked[r])]
                 for r in due:
                     asked_at[r] = now
                     times_asked[r] += 1
@@ -177,12 +177,13 @@ class RoundMail:
                     self.asked += len(due)
                     self._cv.release()
                     try:
-                        for r, ask in asks:
-                            self._send(ask, r)
+                        for _ in range(self._copies()):
+                            for r, ask in asks:
+                                self._send(ask, r)
                     finally:
                         self._cv.acquire()
                     continue
-                wake = min([self._quiet_since(seq, r, asked_at[r]) + self._ask_after(r) * 2 ** min(times_asked[r], 4)
+                wake = min([self._quiet_since(seq, r, asked_at[r]) + self._ask_every(r, times_asked[r])
                             for r in missing] + [looked_at + 0.05])
                 self._cv.wait(max(wake - now, 0.0005))
 
@@ -218,6 +219,13 @@ class RoundMail:
         self._sock.close()
 
     # ------------------------------------------------------------------------------------------------------------
+
+    def _copies(self) -> int:
+        """Copies of an ask, and of what is sent again for one: two while the network is lossy."""
+        return 2 if self._lossy() else 1
+
+    def _ask_every(self, r: int, times_asked: int) -> float:
+        return self._ask_after(r) * min(2 ** times_asked, 4)
 
     def _ask_after(self, r: int) -> float:
         return ASK_AGAIN_S + (2 * self._delays[r] if self._delays else 0.0)
@@ -302,8 +310,9 @@ class RoundMail:
                         self._sent_all_at[seq, sender] = now
             elif seq >= self._floor and sender not in self._got.get(seq, {}):
                 self._fragment(seq, sender, index, count, record)
-        for datagram in again:
-            self._send(datagram, sender)
+        for _ in range(self._copies() if again else 0):
+            for datagram in again:
+                self._send(datagram, sender)
 
     def _fragment(self, seq: int, sender: int, index: int, count: int, record: bytes) -> None:
         """Fragment ``index`` of ``count`` of ``sender``'s record of round ``seq``, kept (under the lock) until
