@@ -129,3 +129,22 @@ def test_a_lossy_average_gives_the_same_bits_whether_its_blocks_come_one_by_one_
         wt = torch.ones(w, dtype=torch.float64) if weights is None else weights.double()
         num, den = (a * wt[:, None] * x64).sum(1), (a * wt[:, None]).sum(1)
         torch.testing.assert_close(rps.server_average(share64, x64, seg), num / den, rtol=1e-12, atol=1e-12)
+
+
+def test_keeping_its_own_values_in_place_equals_choosing_between_the_two() -> None:
+    """A transport's phase 2 (the averages received in place, ``avg`` None: only the lost segments are copied
+    back, one by one when few, in batches when many) gives the bits of the simulator's (``avg`` given: a choice
+    between the average and its own values everywhere), for a few and for many lost segments, a shorter last
+    segment, several workers and blocks."""
+    g = torch.Generator().manual_seed(0)
+    for p in (0.05, 0.3, 0.9):
+        for _ in range(20):
+            w, b, seg = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 4), (1, 4), (1, 50)))
+            n = int(torch.randint(seg + 1, 40 * seg, (1,), generator=g))
+            s = -(-n // seg)
+            own, avg = torch.randn(w, b, n, generator=g), torch.randn(b, n, generator=g)
+            lost = torch.rand(w, b, s, generator=g) < p
+            want = rps.keep_own_where_lost(avg, own, lost, seg, out=torch.empty(w, b, n))
+            got = avg[None].expand(w, b, n).clone()
+            assert rps.keep_own_where_lost(None, own, lost, seg, out=got) is got
+            assert torch.equal(got, want)
