@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -514,6 +515,45 @@ def test_a_ranks_control_rounds_run_at_once_in_threads_and_each_agrees_on_its_ow
     assert len({id(c) for c in clients}) == 3
 
 
+def _mailed_quorums(prefix: str, num_workers: int = 2) -> tuple[Any, list[Any], list[Any]]:
+    """A control store, and the Quorums of ranks 0 and 1 of ``num_workers`` with mail between them (the run's
+    key): (server, quorums, mails). The caller closes the mails."""
+    from datetime import timedelta  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from shaky.membership.mail import RoundMail  # noqa: PLC0415
+    from shaky.membership.quorum import Quorum  # noqa: PLC0415
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    key, run_id = b"k" * 32, 7
+    quorums = [Quorum(lambda r: 0.0, rank, num_workers, prefix, 1.0, 10.0, ("127.0.0.1", server.port), key, run_id)
+               for rank in (0, 1)]
+    mails = [RoundMail(rank, num_workers, key, run_id.to_bytes(8, "big"), "127.0.0.1", range(32000, 32100))
+             for rank in (0, 1)]
+    addresses = {rank: m.address for rank, m in enumerate(mails)}
+    for q, m in zip(quorums, mails):
+        m.set_peers(addresses)
+        q.mail, q.live = m, (0, 1)
+    return server, quorums, mails
+
+
+def _round_on_both(quorums: list[Any], seq: int, records: tuple[bytes, bytes], *, admit: bool = False) -> list[Any]:
+    """Round ``seq`` of ranks 0 and 1 (live: both) at once, each in a thread: their RoundResults."""
+    import threading  # noqa: PLC0415
+
+    got: list[Any] = [None, None]
+
+    def run(rank: int) -> None:
+        got[rank] = quorums[rank].round(seq, records[rank], (0, 1), admit=admit)
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    return got
+
+
 def test_rounds_go_by_mail_ask_again_for_a_lost_record_reject_strangers_and_fall_back_to_the_store() -> None:
     """Two ranks' Quorums with mail (shaky.membership.mail): a round's records come by mail, and the round
     waits for no store request; a record whose datagrams were all lost is asked for again and comes; a datagram
@@ -521,37 +561,16 @@ def test_rounds_go_by_mail_ask_again_for_a_lost_record_reject_strangers_and_fall
     cannot get through (the other holds a wrong address for it) still ends its rounds, through the store, once
     it has waited the heartbeat timeout, with the same records on both ranks."""
     import socket  # noqa: PLC0415
-    import threading  # noqa: PLC0415
-    from datetime import timedelta  # noqa: PLC0415
-
-    import torch.distributed as dist  # noqa: PLC0415
 
     from shaky.membership import mail as mail_module  # noqa: PLC0415
     from shaky.membership.mail import RoundMail  # noqa: PLC0415
-    from shaky.membership.quorum import Quorum  # noqa: PLC0415
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    key, run_id = b"k" * 32, 7
-    quorums = [Quorum(lambda r: 0.0, rank, 2, "mail", 1.0, 10.0, ("127.0.0.1", server.port), key, run_id)
-               for rank in (0, 1)]
-    mails = [RoundMail(rank, 2, key, run_id.to_bytes(8, "big"), "127.0.0.1", range(32000, 32100))
-             for rank in (0, 1)]
+    _, quorums, mails = _mailed_quorums("mail")
     addresses = {rank: m.address for rank, m in enumerate(mails)}
-    for q, m in zip(quorums, mails):
-        m.set_peers(addresses)
-        q.mail = m
+    run_id = 7      # _mailed_quorums' run
 
     def both(seq: int, records: tuple[bytes, bytes]) -> list[dict[int, bytes]]:
-        got: list[dict[int, bytes]] = [{}, {}]
-
-        def run(rank: int) -> None:
-            got[rank] = quorums[rank].round(seq, records[rank], (0, 1), admit=False).records
-        threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=20)
-        return got
+        return [result.records for result in _round_on_both(quorums, seq, records)]
 
     try:
         assert both(0, (b"zero", b"one")) == [{0: b"zero", 1: b"one"}] * 2
@@ -599,37 +618,13 @@ def test_a_record_of_many_datagrams_goes_by_mail_in_fragments_lost_ones_are_aske
     any record by mail has) are rejected even sealed with the run's key, and never used. A record of one
     datagram goes in more copies while the network is lossy. A record over MAIL_RECORD_BYTES goes by the
     store."""
-    import threading  # noqa: PLC0415
-    from datetime import timedelta  # noqa: PLC0415
-
-    import torch.distributed as dist  # noqa: PLC0415
-
     from shaky.membership import mail as mail_module  # noqa: PLC0415
-    from shaky.membership.mail import FRAGMENT_BYTES, MAIL_RECORD_BYTES, RoundMail  # noqa: PLC0415
-    from shaky.membership.quorum import Quorum  # noqa: PLC0415
+    from shaky.membership.mail import FRAGMENT_BYTES, MAIL_RECORD_BYTES  # noqa: PLC0415
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    key, run_id = b"k" * 32, 7
-    quorums = [Quorum(lambda r: 0.0, rank, 2, "frag", 1.0, 10.0, ("127.0.0.1", server.port), key, run_id)
-               for rank in (0, 1)]
-    mails = [RoundMail(rank, 2, key, run_id.to_bytes(8, "big"), "127.0.0.1", range(32000, 32100))
-             for rank in (0, 1)]
-    addresses = {rank: m.address for rank, m in enumerate(mails)}
-    for q, m in zip(quorums, mails):
-        m.set_peers(addresses)
-        q.mail = m
+    _, quorums, mails = _mailed_quorums("frag")
 
     def both(seq: int, records: tuple[bytes, bytes]) -> list[dict[int, bytes]]:
-        got: list[dict[int, bytes]] = [{}, {}]
-
-        def run(rank: int) -> None:
-            got[rank] = quorums[rank].round(seq, records[rank], (0, 1), admit=False).records
-        threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=20)
-        return got
+        return [result.records for result in _round_on_both(quorums, seq, records)]
 
     rng = np.random.default_rng(0)
     big = [rng.bytes(40 * FRAGMENT_BYTES + 17), rng.bytes(40 * FRAGMENT_BYTES + 17)]
@@ -691,36 +686,11 @@ def test_a_round_that_may_take_a_rank_back_goes_by_mail_and_every_survivor_takes
     heartbeat thread's look finds a process started again asking for rank 2 (its join key); a round in which
     any survivor saw it takes rank 2 back on both, by mail, with no store round; one in which nobody saw it
     takes nobody back; and the records come back as they were written."""
-    import threading  # noqa: PLC0415
-    from datetime import timedelta  # noqa: PLC0415
-
-    import torch.distributed as dist  # noqa: PLC0415
-
-    from shaky.membership.mail import RoundMail  # noqa: PLC0415
-    from shaky.membership.quorum import Quorum  # noqa: PLC0415
-
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    key, run_id = b"k" * 32, 7
-    quorums = [Quorum(lambda r: 0.0, rank, 3, "admit", 1.0, 10.0, ("127.0.0.1", server.port), key, run_id)
-               for rank in (0, 1)]
-    mails = [RoundMail(rank, 3, key, run_id.to_bytes(8, "big"), "127.0.0.1", range(32000, 32100))
-             for rank in (0, 1)]
-    for q, m in zip(quorums, mails):
-        m.set_peers({rank: other.address for rank, other in enumerate(mails)})
-        q.mail, q.live = m, (0, 1)
+    server, quorums, mails = _mailed_quorums("admit", num_workers=3)
 
     def both(seq: int) -> list[tuple[dict[int, bytes], tuple[int, ...]]]:
-        got: list[tuple[dict[int, bytes], tuple[int, ...]]] = [({}, ()), ({}, ())]
-
-        def run(rank: int) -> None:
-            result = quorums[rank].round(seq, f"r{rank}".encode(), (0, 1), admit=True)
-            got[rank] = (result.records, result.admitted)
-        threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=20)
-        return got
+        return [(result.records, result.admitted)
+                for result in _round_on_both(quorums, seq, (b"r0", b"r1"), admit=True)]
 
     try:
         assert both(0) == [({0: b"r0", 1: b"r1"}, ())] * 2

@@ -123,8 +123,7 @@ def keep_own_where_lost(avg: torch.Tensor | None, own: torch.Tensor, lost: torch
         return out
     if avg is None:     # a transport's: the averages are in ``out``, and the lost segments are few as a rule
         cpu = own.device.type == "cpu" and not own.requires_grad
-        where = zip(*np.nonzero(lost.numpy())) if cpu else lost.nonzero().tolist()
-        gone = list(where)
+        gone = list(zip(*np.nonzero(lost.numpy()))) if cpu else lost.nonzero().tolist()
         if len(gone) <= _FEW_LOST:      # a copy each (80 -> 10 us for two of a 6,530-value block, on a CPU)
             n = own.shape[2]
             src, dst = (own.numpy(), out.numpy()) if cpu else (own, out)
