@@ -56,8 +56,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-# torch reads OMP_WAIT_POLICY when it loads, before shaky's own default (PASSIVE) could apply: note what
-# this process runs with. (Spawned gloo processes inherit shaky's default; they run one thread each.)
+# torch reads OMP_WAIT_POLICY when it loads; this benchmark does not adapt the wait as a shaky command does
+# (shaky/waiting.py): note what this process runs with. (Spawned gloo processes run one thread each.)
 OMP_POLICY = os.environ.get("OMP_WAIT_POLICY") or "unset (spin, then sleep)"
 
 import torch  # noqa: E402

@@ -520,13 +520,13 @@ def process_settings(*, shared_cores: bool = False) -> None:
     process leave the process as it is. They must come before torch loads (OpenMP reads its
     environment then), which is why nothing above this call imports torch.
 
-    * ``OMP_WAIT_POLICY=PASSIVE`` unless set: an idle OpenMP thread sleeps at once. OpenMP's own default
-      (spin up to about 3 ms, then sleep) is faster on a machine the run has to itself (0.8-1.0x the step
-      time of PASSIVE, an MLP on digits at W = 16 and 64), but when another program keeps one core busy its
-      spinning threads wait for a thread that lost its core: 100x slower a step (173-189 ms against 1.7-4.1
-      on two cores of an idle machine; 4-5x on this noisier VM), where PASSIVE stays within 1.3x of its
-      quiet speed. Thread counts are never changed behind the user's back: they change a conv net's
-      numbers (reductions split per thread), and the policy does not.
+    * OpenMP's idle threads spin while the run has its CPUs to itself and sleep while another program wants
+      them (:mod:`shaky.waiting`), unless the environment sets a policy (``OMP_WAIT_POLICY``,
+      ``GOMP_SPINCOUNT``). Spinning is 1.1-2.7x faster a quiet step than sleeping (an MLP on digits at
+      W = 16 and 64), but when another program keeps one core busy the spinning threads wait for a thread
+      that lost its core: 100x slower a step on two cores of an idle host, 4-15x on this VM, where sleeping
+      stays within 1.3x of its quiet speed. Thread counts are never changed behind the user's back: they
+      change a conv net's numbers (reductions split per thread), and the wait does not.
     * glibc malloc keeps freed memory: every step allocates and frees the same large tensors, and
       returning them to the OS costs a page fault per 4 KiB per step.
     * ``shared_cores`` (a torch.distributed rank): also ``TORCH_CPP_LOG_LEVEL=ERROR`` unless set.
@@ -534,12 +534,17 @@ def process_settings(*, shared_cores: bool = False) -> None:
       its peer gone; a run that loses a rank says what happened in one line of its own (and live membership
       waits on the store on purpose).
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from shaky import waiting  # noqa: PLC0415 (no torch)
+
+    waiting.prepare()
     if shared_cores:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    import torch  # noqa: PLC0415
+
     from shaky.vectorized import tune_allocator  # noqa: PLC0415
 
     tune_allocator()
+    waiting.start(torch.get_num_threads())
 
 
 def _shares_cores(args: argparse.Namespace, env: JobEnv) -> bool:

@@ -279,33 +279,35 @@ outer.step(); outer.step()
 dist.destroy_process_group()
 sys.setprofile(None)
 changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
-print("changed:", changed, "tune_allocator calls:", calls)
+import shaky.waiting
+print("changed:", changed, "tune_allocator calls:", calls, "wait watched at:", shaky.waiting.state.where)
 """
 
 
 def test_import_and_averagers_leave_the_process_settings_alone() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MALLOC_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "MALLOC_"))}
     proc = subprocess.run([sys.executable, "-c", ENV_CHECK % free_port()], capture_output=True, text=True,
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == "changed: [] tune_allocator calls: []"
+    assert proc.stdout.strip().splitlines()[-1] == "changed: [] tune_allocator calls: [] wait watched at: None"
 
 
-@pytest.mark.parametrize("shared_cores,given,policy,log_level", [
-    (False, None, "PASSIVE", "None"), (True, None, "PASSIVE", "ERROR"), (False, "ACTIVE", "ACTIVE", "None")])
-def test_the_command_line_does_tune_the_process(shared_cores: bool, given: str | None, policy: str,
+@pytest.mark.parametrize("shared_cores,given,adapted,log_level", [
+    (False, None, "True", "None"), (True, None, "True", "ERROR"), (False, "ACTIVE", "False", "None")])
+def test_the_command_line_does_tune_the_process(shared_cores: bool, given: str | None, adapted: str,
                                                 log_level: str) -> None:
     """The counterpart: the CLI entry point makes the process-wide settings (so the check above can fail).
-    Every shaky command gets OpenMP's passive wait (a spinning thread collapses a run when another program
-    holds a core), unless the environment sets a policy; a torch.distributed rank also quiets c10d's log."""
+    Every shaky command adapts OpenMP's wait to the machine (shaky/waiting.py: spin while the cores are its
+    own, sleep while another program wants them), unless the environment sets a policy; a torch.distributed
+    rank also quiets c10d's log."""
     code = ("import sys; calls = []; "
             "sys.setprofile(lambda f, e, a: calls.append(1) if e == 'call' and f.f_code.co_name == 'tune_allocator' "
-            "else None); from shaky.cli import process_settings; import os; "
+            "else None); from shaky.cli import process_settings; from shaky import waiting; import os; "
             f"process_settings(shared_cores={shared_cores}); print(os.environ.get('OMP_WAIT_POLICY'), "
-            "os.environ.get('TORCH_CPP_LOG_LEVEL'), len(calls))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MALLOC_", "TORCH_CPP_LOG"))}
+            "waiting.state.where is not None, os.environ.get('TORCH_CPP_LOG_LEVEL'), len(calls))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "MALLOC_", "TORCH_CPP_LOG"))}
     if given is not None:
         env["OMP_WAIT_POLICY"] = given
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == [policy, log_level, "1"]
+    assert proc.stdout.split() == [str(given), adapted, log_level, "1"]
