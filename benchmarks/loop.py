@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/loop.py                     # W = 16 and 64, default settings, 3 repeats
     .venv/bin/python benchmarks/loop.py --variants default OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1
     .venv/bin/python benchmarks/loop.py --no-busy           # the quiet runs alone
+    .venv/bin/python benchmarks/loop.py --variants default GOMP_SPINCOUNT=300000   # the adapted wait beside the spin
     .venv/bin/python benchmarks/loop.py --variants default tree=../old   # beside another checkout's shaky
 
 Each repeat runs, one after another so that load from other programs hits them

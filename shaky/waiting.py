@@ -28,8 +28,9 @@ is what stays if anything below fails), and after torch has loaded
 :func:`start` looks for that value in libgomp's writable data and changes it
 from then on, only if it is found exactly once (else it leaves the process as
 it is and says so in :data:`state`). A policy the user set
-(``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) is left alone, and so is a process
-whose OpenMP is not libgomp.
+(``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` other than the marker, which a process a
+shaky command started inherits) is left alone, and so is a process whose OpenMP
+is not libgomp.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import ctypes
 import os
 import resource
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -80,7 +82,11 @@ _lock = threading.Lock()
 def prepare(environ: dict[str, str] | None = None) -> bool:
     """Before torch loads: give libgomp the marker spin, unless the user chose a wait policy. True if it did."""
     env = os.environ if environ is None else environ
-    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+    if "torch" in sys.modules:     # its libgomp has read its environment already: the marker would not be there
+        state.why_not = "torch was loaded before the wait could be prepared"
+        return False
+    inherited = env.get("GOMP_SPINCOUNT") == str(MARKER)     # a process a shaky command started (a sweep's worker)
+    if "OMP_WAIT_POLICY" in env or ("GOMP_SPINCOUNT" in env and not inherited):
         state.why_not = "the environment sets the wait policy"
         return False
     env["GOMP_SPINCOUNT"] = str(MARKER)
@@ -89,10 +95,15 @@ def prepare(environ: dict[str, str] | None = None) -> bool:
 
 
 def _find_spin_count() -> int | None:
-    """The address of the loaded libgomp's spin count: the one aligned word of its writable data that holds
-    ``MARKER``. None unless exactly one such word is found in exactly one libgomp."""
+    """The address of torch's libgomp's spin count: the one aligned word of its writable data that holds
+    ``MARKER``. None unless exactly one such word is found (in the libgomp beside torch's libraries if one is
+    loaded, else in any libgomp: another copy, such as scikit-learn's, loads later or read its spin before)."""
+    import torch  # noqa: PLC0415
+
     marker = struct.pack("<Q", MARKER)
+    torch_dir = os.path.realpath(os.path.dirname(torch.__file__))
     found: list[int] = []
+    beside: list[int] = []
     try:
         with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
             lines = maps.read().splitlines()
@@ -108,8 +119,11 @@ def _find_spin_count() -> int | None:
         while at != -1:
             if (lo + at) % 8 == 0:
                 found.append(lo + at)
+                if os.path.realpath(parts[5]).startswith(torch_dir + os.sep):
+                    beside.append(lo + at)
             at = data.find(marker, at + 1)
-    return found[0] if len(found) == 1 else None
+    words = beside or found
+    return words[0] if len(words) == 1 else None
 
 
 def _set_spin(where: int, spinning: bool) -> None:

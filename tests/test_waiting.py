@@ -134,3 +134,19 @@ def test_a_policy_the_user_set_is_left_alone(given: dict[str, str]) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["None", given.get("OMP_WAIT_POLICY", "None"), given.get("GOMP_SPINCOUNT", "None")]
 
+
+
+def test_a_process_a_shaky_command_started_adapts_too_and_a_late_one_does_not() -> None:
+    """A sweep's worker inherits the marker from the sweep's settings and adapts its own wait; a spin count the
+    user chose, or torch loaded before the marker could be given, leaves the process alone."""
+    code = ("import sys; from shaky import waiting; "
+            "print(waiting.prepare({'GOMP_SPINCOUNT': str(waiting.MARKER)}), waiting.prepare({'GOMP_SPINCOUNT': '5000'}), "
+            "waiting.prepare({}), waiting.start(), waiting.state.where is not None); "
+            "import torch; print(waiting.prepare({}), waiting.state.why_not)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=_clean_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, second = proc.stdout.splitlines()[:2]
+    # the process's own environment never had the marker, so torch's libgomp holds its default: not found
+    assert first == "True False True False False", proc.stdout
+    assert second == "False torch was loaded before the wait could be prepared", proc.stdout
