@@ -539,12 +539,10 @@ def process_settings(*, shared_cores: bool = False) -> None:
     waiting.prepare()
     if shared_cores:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    import torch  # noqa: PLC0415
-
     from shaky.vectorized import tune_allocator  # noqa: PLC0415
 
     tune_allocator()
-    waiting.start(torch.get_num_threads())
+    waiting.start()     # torch has loaded: its libgomp holds the marker
 
 
 def _shares_cores(args: argparse.Namespace, env: JobEnv) -> bool:

@@ -770,8 +770,7 @@ def _worker_init(parent: int) -> None:
     worker ends at once, but not in the middle of a file write (``shaky.interrupt.exit_quietly``: what it leaves,
     a run directory being made or a checkpoint without a summary, the sweep's next start redoes or resumes; an
     exception raised there instead could land in torch's import and abort the process). SIGINT is
-    ignored: a Ctrl-C reaches every process of the terminal, and the parent stops the workers itself. Its
-    OpenMP threads' wait adapts as the sweep's own does (:mod:`shaky.waiting`), unless the user set a policy.
+    ignored: a Ctrl-C reaches every process of the terminal, and the parent stops the workers itself.
     """
     import ctypes  # noqa: PLC0415
     import signal  # noqa: PLC0415
@@ -784,7 +783,4 @@ def _worker_init(parent: int) -> None:
         pass
     if os.getppid() != parent:  # the parent died before the line above took effect
         os._exit(1)
-    from shaky import waiting  # noqa: PLC0415
 
-    if waiting.prepare():      # the marker the sweep's own process settings left in the environment
-        waiting.start()        # loads torch: the worker's OpenMP waits as a shaky command's does

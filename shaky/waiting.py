@@ -27,10 +27,11 @@ marker value there (``MARKER``: a spin of about 10 us, close to sleeping, which
 is what stays if anything below fails), and after torch has loaded
 :func:`start` looks for that value in libgomp's writable data and changes it
 from then on, only if it is found exactly once (else it leaves the process as
-it is and says so in :data:`state`). A policy the user set
-(``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` other than the marker, which a process a
-shaky command started inherits) is left alone, and so is a process whose OpenMP
-is not libgomp.
+it is and says so in :data:`state`). The marker leaves the environment once torch
+has loaded, so the processes this one starts (a sweep's workers, which run one
+thread each) get libgomp's own default. A policy the user set
+(``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) is left alone, and so is a process whose
+OpenMP is not libgomp.
 """
 
 from __future__ import annotations
@@ -79,17 +80,15 @@ state = WaitState()
 _lock = threading.Lock()
 
 
-def prepare(environ: dict[str, str] | None = None) -> bool:
+def prepare() -> bool:
     """Before torch loads: give libgomp the marker spin, unless the user chose a wait policy. True if it did."""
-    env = os.environ if environ is None else environ
     if "torch" in sys.modules:     # its libgomp has read its environment already: the marker would not be there
         state.why_not = "torch was loaded before the wait could be prepared"
         return False
-    inherited = env.get("GOMP_SPINCOUNT") == str(MARKER)     # a process a shaky command started (a sweep's worker)
-    if "OMP_WAIT_POLICY" in env or ("GOMP_SPINCOUNT" in env and not inherited):
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         state.why_not = "the environment sets the wait policy"
         return False
-    env["GOMP_SPINCOUNT"] = str(MARKER)
+    os.environ["GOMP_SPINCOUNT"] = str(MARKER)
     state.prepared = True
     return True
 
@@ -217,13 +216,18 @@ def start(threads: int | None = None) -> bool:
     Args:
         threads: the OpenMP team's size (``torch.get_num_threads()`` when not given).
     """
-    if threads is None:
-        import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415
 
+    if threads is None:
         threads = torch.get_num_threads()
     with _lock:
         if not state.prepared or state.where is not None:
             return state.where is not None
+        if os.environ.get("GOMP_SPINCOUNT") == str(MARKER):
+            del os.environ["GOMP_SPINCOUNT"]    # read by the libgomp loaded now; not for the processes this one starts
+        if threads <= 1:      # a team of one never waits for a mate (a torch.distributed rank, as a rule)
+            state.why_not = "one OpenMP thread: nothing waits"
+            return False
         where = _find_spin_count()
         if where is None:
             state.why_not = "libgomp's spin count was not found (another OpenMP, or another libgomp)"
