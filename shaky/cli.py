@@ -524,7 +524,7 @@ def process_settings(*, shared_cores: bool = False) -> None:
       them (:mod:`shaky.waiting`), unless the environment sets a policy (``OMP_WAIT_POLICY``,
       ``GOMP_SPINCOUNT``). Spinning is 1.1-2.7x faster a quiet step than sleeping (an MLP on digits at
       W = 16 and 64), but when another program keeps one core busy the spinning threads wait for a thread
-      that lost its core: 100x slower a step on two cores of an idle host, 4-15x on this VM, where sleeping
+      that lost its core: 100x slower a step on two cores of an idle host, 3-16x on this VM, where sleeping
       stays within 1.3x of its quiet speed. Thread counts are never changed behind the user's back: they
       change a conv net's numbers (reductions split per thread), and the wait does not.
     * glibc malloc keeps freed memory: every step allocates and frees the same large tensors, and

@@ -783,4 +783,3 @@ def _worker_init(parent: int) -> None:
         pass
     if os.getppid() != parent:  # the parent died before the line above took effect
         os._exit(1)
-
