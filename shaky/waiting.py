@@ -8,7 +8,7 @@ GNU OpenMP (the libgomp torch ships) decides how once, when torch loads:
   while the run has the cores to itself; but when another program keeps one of
   them busy, a spinning thread waits for a team mate that lost its core to the
   other program, and every region can wait out a time slice: 100x slower a step
-  on two cores of an idle host, 4-5x on this VM (docs/performance.md);
+  on two cores of an idle host, 3-16x on this VM (docs/performance.md);
 * sleep at once (``OMP_WAIT_POLICY=PASSIVE``): a shared machine costs little,
   but every region wakes a sleeping thread, 60-170 us each on this VM, 1.5-2.6x
   a quiet step of that MLP.
