@@ -535,8 +535,9 @@ class _Metrics:
         left out. metrics.jsonl is made to end with the last row every rank computed (a torn line dropped, a row
         its writer died before writing appended)."""
         step = self.counters.step
-        say(f"shaky: rank {self.writers.rank} writes the run directory from step {step} on (the ranks before it "
-            "were left out)")
+        back = bool(self.writers.order) and self.writers.rank == self.writers.order[0]   # rank 0, started again
+        say(f"shaky: rank {self.writers.rank} writes the run directory from step {step} on "
+            f"({'taken back' if back else 'the ranks before it were left out'})")
         with contextlib.suppress(ValueError):     # a writer that stands still (SIGSTOP) still holds the claim
             claim_dir(self.run_dir)
         last = self.last

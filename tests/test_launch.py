@@ -84,15 +84,17 @@ def test_log_dir_keeps_each_rank_s_output_behind_a_header_per_process_and_still_
 @pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
 def test_a_dead_rank_0_is_started_again_alone_and_the_others_train_on(restarts: int, tmp_path: Path) -> None:
     """udp: rank 0 gets SIGKILL before step 25. The run's store is the keeper's, so the others train on (rank 1
-    writes the run directory from then on); with a restart left the launcher starts rank 0 again alone and it
-    is taken back, without one it says so. Either way the run finishes all its steps, and the launcher's status
-    is 0 (a rank lost on the way is membership)."""
+    writes the run directory from its next row on, if rank 0 is still out then); with a restart left the
+    launcher starts rank 0 again alone and it is taken back (often the step after it was left out, before the
+    next row: it writes again, and says so), without one it says so. Either way the run finishes all its
+    steps, with every row once, and the launcher's status is 0 (a rank lost on the way is membership)."""
     code, err = _finish(_launch(tmp_path, 200, "kill:0:25", restarts=restarts))
     assert code == 0, err[-3000:]
     assert "is gone" not in err and "--resume" not in err, err[-3000:]
-    assert "shaky: rank 1 writes the run directory from step" in err, err[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 200, summary
+    rows = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [0, 100, 200], rows
     changes = summary["udp"]["membership_changes"]
     if restarts:
         assert "shaky launch: rank 0 killed by SIGKILL; starting it again (1 of 1)" in err, err
@@ -102,6 +104,14 @@ def test_a_dead_rank_0_is_started_again_alone_and_the_others_train_on(restarts: 
         assert ("shaky launch: rank 0 killed by SIGKILL; not started again: "
                 f"{NO_RESTARTS_LEFT} (0 of --max-restarts 0)") in err, err
         assert summary["live_workers"] == 2 and [c["live"] for c in changes] == [[1, 2]], changes
+    # A row's writer is the first live rank of the step before it; rank 0 is out from changes[0] to back_at.
+    back_at = changes[1]["step"] if restarts else rows[-1] + 1
+    if any(changes[0]["step"] <= row - 1 < back_at for row in rows):    # a row fell while rank 0 was out
+        assert "shaky: rank 1 writes the run directory from step" in err, err[-3000:]
+        assert "shaky: rank 0 writes" not in err, err[-3000:]               # rank 1 stays the writer
+    else:                                   # rank 0 came back first: it writes again, from its first row
+        first = min(row for row in rows if row - 1 >= back_at)
+        assert f"shaky: rank 0 writes the run directory from step {first} on (taken back)" in err, err[-3000:]
 
 
 @pytest.mark.kill  # slow, multi-process: make test-kill (.ci/run runs it)
