@@ -104,13 +104,21 @@ def test_a_dead_rank_0_is_started_again_alone_and_the_others_train_on(restarts: 
         assert ("shaky launch: rank 0 killed by SIGKILL; not started again: "
                 f"{NO_RESTARTS_LEFT} (0 of --max-restarts 0)") in err, err
         assert summary["live_workers"] == 2 and [c["live"] for c in changes] == [[1, 2]], changes
-    # A row's writer is the first live rank of the step before it; rank 0 is out from changes[0] to back_at.
-    back_at = changes[1]["step"] if restarts else rows[-1] + 1
-    if any(changes[0]["step"] <= row - 1 < back_at for row in rows):    # a row fell while rank 0 was out
+    _check_the_writer(err, changes, rows)
+
+
+def _check_the_writer(err: str, changes: list[dict], writes: list[int]) -> None:
+    """Which rank said it writes the run directory after rank 0 was left out (``changes[0]``, and taken back at
+    ``changes[1]`` if there is one). Each step in ``writes`` (rows, checkpoints) is written by the first live
+    rank of the step before it: if one fell while rank 0 was out, rank 1 took over and stays the writer; else
+    rank 0, taken back first (often the step after it was left out: take-backs ride in the round's records),
+    writes again from the first one after."""
+    back = changes[1]["step"] if len(changes) > 1 else max(writes) + 1
+    if any(changes[0]["step"] <= step - 1 < back for step in writes):
         assert "shaky: rank 1 writes the run directory from step" in err, err[-3000:]
-        assert "shaky: rank 0 writes" not in err, err[-3000:]               # rank 1 stays the writer
-    else:                                   # rank 0 came back first: it writes again, from its first row
-        first = min(row for row in rows if row - 1 >= back_at)
+        assert "shaky: rank 0 writes" not in err, err[-3000:]
+    else:
+        first = min(step for step in writes if step - 1 >= back)
         assert f"shaky: rank 0 writes the run directory from step {first} on (taken back)" in err, err[-3000:]
 
 
@@ -420,20 +428,23 @@ def test_over_two_machines_each_resumes_with_its_own_data_path(tmp_path: Path) -
 @pytest.mark.skipif(bool(_why_no_mount_namespace()), reason=_why_no_mount_namespace() or "-")
 def test_over_two_machines_a_dead_rank_0_is_started_again_alone_and_the_others_train_on(tmp_path: Path) -> None:
     """udp, --max-restarts 1: rank 0 gets SIGKILL at step 40. Its launcher starts it again alone and it is
-    taken back; rank 1, on the same machine, writes the run directory meanwhile and after (the second machine
-    sees no such directory: its ranks are never in line to write it), and the second machine's launcher starts
-    nothing. The run ends with 4 live workers and both launchers with status 0."""
+    taken back; rank 1, on the same machine, writes the run directory meanwhile and after if a row or a
+    checkpoint fell while rank 0 was out, else rank 0 writes again (the second machine sees no such directory:
+    its ranks are never in line to write it), and the second machine's launcher starts nothing. The run ends with 4 live workers and both launchers with status 0."""
     (tmp_path / "shaky.key").write_text(os.urandom(32).hex())
     args = [*ARGS[:2], "--workers", "4", *ARGS[4:], "--steps", "200", "--checkpoint-every", "20", "--key-file",
             str(tmp_path / "shaky.key"), "--out", "run"]
     (code0, err0), (code1, err1) = _two_machines(tmp_path, args, "kill:0:40", restarts=1)
     assert (code0, code1) == (0, 0), (err0, err1)
     assert "shaky launch: rank 0 killed by SIGKILL; starting it again (1 of 1)" in err0, err0
-    assert "shaky: rank 1 writes the run directory from step" in err0, err0
     assert "starting" not in err1 and "writes the run directory" not in err1, err1
     summary = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
     assert summary["steps"] == 200 and summary["live_workers"] == 4, summary
-    assert [c["live"] for c in summary["udp"]["membership_changes"]] == [[1, 2, 3], [0, 1, 2, 3]], summary
+    changes = summary["udp"]["membership_changes"]
+    assert [c["live"] for c in changes] == [[1, 2, 3], [0, 1, 2, 3]], summary
+    rows = [json.loads(line)["step"] for line in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [0, 100, 200], rows
+    _check_the_writer(err0, changes, sorted({*rows, *range(20, 200, 20)}))     # rows and checkpoints
 
 
 def _kill_the_keeper_after(run_dir: Path, step: int) -> Callable[[int], None]:
