@@ -25,6 +25,7 @@ so an interrupted sweep picks up where it stopped. The whole grid is validated
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -33,6 +34,7 @@ import math
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import time
 import tomllib
@@ -701,6 +703,7 @@ def _run_pool(tasks: list[Task], jobs: int, runner: Callable[[Task], dict[str, A
                     continue
                 outcome.ran += 1
                 bar.update(task, summary, time.perf_counter() - start)
+        pool.shutdown(wait=True)    # in the try: a signal while it waits for the pool's thread is a stop too
     except BaseException:
         # Stopped (Ctrl-C, SIGTERM) or failed: stop our own worker processes, by handle, and wait for them
         # (bounded) before leaving. SIGTERM makes a worker's run finish its step and write a checkpoint,
@@ -708,6 +711,7 @@ def _run_pool(tasks: list[Task], jobs: int, runner: Callable[[Task], dict[str, A
         processes = list((getattr(pool, "_processes", None) or {}).values())
         for process in processes:
             process.terminate()
+        _stop_unregistered_workers({p.pid for p in processes})
         pool.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + WORKER_STOP_S
         alive = processes
@@ -724,7 +728,24 @@ def _run_pool(tasks: list[Task], jobs: int, runner: Callable[[Task], dict[str, A
         # are reported by multiprocessing's resource tracker as leaked).
         pool.shutdown(wait=True)
         raise
-    pool.shutdown(wait=True)
+
+
+def _stop_unregistered_workers(known: set[int | None]) -> None:
+    """SIGTERM to this process's children that multiprocessing is still spawning for the pool (a stop that
+    came while a worker was being started: the pool does not hold it yet, and it would wake to its parent's
+    closed pipe and print a traceback). Before ``_worker_init`` runs SIGTERM ends such a child without a word."""
+    me = str(os.getpid())
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit() or int(entry.name) in known:
+            continue
+        try:
+            ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if ppid == me and b"spawn_main" in cmdline:
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGTERM)
 
 
 def _start_resource_tracker() -> None:
