@@ -43,7 +43,7 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MARKER = 1009
 """The spin ``prepare`` gives libgomp until ``start`` finds where it keeps it (a short spin: close to sleeping)."""
@@ -72,8 +72,6 @@ class WaitState:
     why_not: str = ""                   # why the spin is not adapted, when it is not
     spinning: bool = False
     looks: int = 0
-    switches: int = 0
-    history: list[tuple[float, bool]] = field(default_factory=list)   # (monotonic time, spinning) per switch
 
 
 state = WaitState()
@@ -128,9 +126,6 @@ def _find_spin_count() -> int | None:
 def _set_spin(where: int, spinning: bool) -> None:
     ctypes.c_uint64.from_address(where).value = SPIN if spinning else SLEEP
     state.spinning = spinning
-    state.switches += 1
-    state.history.append((time.monotonic(), spinning))
-    del state.history[:-64]
 
 
 class _Cpus:
