@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shaky.comm.base import Comm
+from shaky.comm.quant import fine_length, value_format
 from shaky.config import RunConfig
 from shaky.data import Dataset, assign_chunks, load_dataset, partition
 from shaky.models import FlatParams, build_model
@@ -271,7 +272,9 @@ def prepare(cfg: RunConfig, *, measure: bool = True, local_rank: int | None = No
     if cfg.network.trace:
         network: NetworkModel = TraceNetwork(cfg.network, cfg.num_workers, cfg.seed, *_load_trace(cfg))
     else:  # the message size sets how many segments a block has (network.segment_bytes)
-        network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed, dim=flat.dim, itemsize=dtype.itemsize)
+        seg = fine_length(cfg.network.segment_bytes, dtype.itemsize, value_format(cfg.strategy.value_dtype))
+        network = NetworkModel(cfg.network, cfg.num_workers, cfg.seed, dim=flat.dim, itemsize=dtype.itemsize,
+                               seg_len=seg)
     if loss is None and cfg.model.loss:
         loss = load_loss(cfg.model.loss)
     grad_fn, forward_fn = make_functions(model, flat, loss=loss)

@@ -93,7 +93,9 @@ def test_the_streams_hold_under_loss_and_the_rounding_does_not_accumulate() -> N
         assert torch.equal(torch.where(held, out, 0.0), torch.where(held, server_value[None], 0.0))
         assert torch.equal(torch.where(~held, out, 0.0), torch.where(~held, x, 0.0))   # the rest kept its own
         x = out
-    assert rounded_rounds == 59                          # from the second round on, rounded values travel
+    # From the second round on, rounded values travel, but a rounded segment of float64 rows in int8 holds 8
+    # parts, sent rounded only by a worker in sync on all 8: at 30% loss a round may have none.
+    assert rounded_rounds >= 50, rounded_rounds
 
 
 def test_a_block_that_moves_starts_its_stream_again_whole() -> None:
@@ -215,3 +217,42 @@ def test_a_bad_value_dtype_is_one_line(setting: str, says: str, tmp_path) -> Non
 def test_the_gloo_transport_refuses_a_value_dtype() -> None:
     with pytest.raises(ValueError, match="strategy.value_dtype = 'int8' needs backend sim"):
         make_config(backend="dist", strategy={"name": "rps", "value_dtype": "int8"})
+
+
+def test_a_rounded_segment_holds_a_group_of_segments_and_travels_as_one_message() -> None:
+    """float32 rows in int8 at 1420-byte segments: a whole segment holds 354 values (room for the scale), a
+    rounded one the 4 x 354 values of a group and one scale (1420 bytes). In the simulator a group sent rounded is
+    one message, whose fate is its first segment's draw (a lost draw elsewhere in the group costs nothing); a
+    group sent whole is 4 messages, each taken where it arrived."""
+    fmt, w, dim, seg_bytes = FORMATS["int8"], 2, 2 * 5000, 1420
+    seg = quant.fine_length(seg_bytes, 4, fmt)
+    assert (seg, quant.parts(fmt, 4), int(fmt.bytes_of(4 * seg, 4 * seg))) == (354, 4, 1420)
+    s = -(-5000 // seg)                                   # 15 segments a block: groups at 0, 4, 8, 12
+    comm, gen = SimComm(w), torch.Generator().manual_seed(4)
+    x = torch.randn(w, dim, generator=gen)
+    ref, sync, carry = torch.zeros_like(x), x.new_zeros(w, 1, 1), torch.zeros_like(x)
+    every = torch.ones(w, w, s, dtype=torch.bool)
+    lost = every.clone()
+    lost[1, 0, [1, 4]] = False        # worker 1's block 0: a later segment of group 0, the first of group 1
+    # round 0 (nobody in sync: all whole, each segment a message of its own): segments 1 and 4 are lost alone
+    out, ref, sync, carry, up_q, down_q = _round(comm, x, lost, every, ref, sync, carry, fmt, seg_bytes)
+    assert not up_q.any()
+    kept = torch.zeros(dim, dtype=torch.bool)
+    kept[seg:2 * seg] = kept[4 * seg:5 * seg] = True     # worker 0's average of block 0 left them out
+    assert torch.equal(out[0, :5000][kept[:5000]], x[0, :5000][kept[:5000]])
+    assert not torch.equal(out[0, :5000][~kept[:5000]], x[0, :5000][~kept[:5000]])
+    traffic = block_exchange_traffic(x, w, LinkSample(0, lost, every, seg_bytes), reliable=False, fmt=fmt,
+                                     rounded=(up_q, down_q))
+    assert traffic[0].messages == 2 * s and traffic[0].dropped == 2
+    # round 1 (everyone in sync: every group rounded, one message at its first segment): group 0 arrives
+    x = out + 0.01 * torch.randn(w, dim, generator=gen)
+    out, ref, sync, carry, up_q, down_q = _round(comm, x, lost, every, ref, sync, carry, fmt, seg_bytes)
+    assert bool(up_q[1, 0].all()) and bool(up_q[0, 1].all())
+    traffic = block_exchange_traffic(x, w, LinkSample(1, lost, every, seg_bytes), reliable=False, fmt=fmt,
+                                     rounded=(up_q, down_q))
+    assert traffic[0].messages == 2 * 4 and traffic[0].dropped == 1       # group 1 of worker 1's block 0
+    assert traffic[0].bytes_sent == 2 * (3 * 1420 + (5000 - 12 * seg) + 4)
+    # worker 0 averaged group 0 with worker 1's values (the rows differ by about 1), and left group 1 (lost as
+    # one) out: there its stream is its own values, rounded (a step of 1e-4)
+    assert float((out[0, 4 * seg:8 * seg] - x[0, 4 * seg:8 * seg]).abs().max()) < 1e-3
+    assert float((out[0, :4 * seg] - x[:, :4 * seg].mean(0)).abs().max()) < 1e-3

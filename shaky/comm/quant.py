@@ -23,10 +23,20 @@ result becomes the next reference, so a rounding error lives one round and never
   membership, which a transport gives it too.
 
 Formats: ``float32``, ``bfloat16`` and ``float16`` round to the nearest value of the type; ``int8`` rounds
-``d / scale`` to the nearest integer in [-127, 127] (ties to even), with one float32 ``scale = max|d| / 127`` a
-group of :data:`GROUP` values, carried in the segment beside them (a lost segment costs only itself). The
-segments are the model's (``shaky.geometry.segment_length`` of its itemsize): a rounded segment is a smaller
-message, so that a segment sent whole is one message too (one datagram on a transport).
+``d / scale`` to the nearest integer in [-127, 127] (ties to even), with one float32 ``scale = max|d| / 127`` for
+each segment of rounded values, carried in the segment after them (a lost segment costs only itself; without
+segments, one for each :data:`GROUP` values).
+
+**Segments.** A segment of whole values, a *part*, holds what a datagram's ``segment_bytes`` hold at the rows'
+itemsize (less int8's scale: :func:`fine_length`); a segment of rounded values holds a *group* of ``P`` parts
+(:func:`parts`: the rows' itemsize over the format's, 4 for int8 from float32, 2 for bfloat16), so that it is
+the same datagram with ``P`` times the values: ``segment_bytes`` a datagram carry 4x (2x) the values of a
+float32 one. The delivery masks are per part (the network model's and a transport's, as for any run). A part
+sent whole is a message of its own; a group sent rounded is one message, whose fate is the mask's entry at the
+group's first part (:func:`delivered`): every draw of the masks is used by one message at most. Sync is kept
+per part; what travels is decided per group: a worker sends a group rounded only where it is in sync on every
+part of it (:func:`in_groups`), and a server sends a receiver a group whole where any part of it came whole
+from that receiver (:func:`any_in_groups`).
 
 Everything here is elementwise (or an exact maximum) in the model's dtype, so the same values give the same
 bits on every backend and every CPU.
@@ -51,13 +61,14 @@ from shaky.comm.rps import own_parts_delivered
 from shaky.geometry import block_sizes, segment_length
 
 GROUP = 256
-"""Values that share one int8 scale: a segment's values are cut into groups of this many, from its start."""
+"""Values that share one int8 scale where a block is one message (no segments): groups of this many, from the
+block's start. With segments, a rounded segment's values share one scale."""
 
 
 @dataclass(frozen=True, slots=True)
 class ValueFormat:
     """How a value travels: ``name`` (a torch dtype's name), ``itemsize`` bytes each, and ``scale_bytes`` per
-    group of :data:`GROUP` values (int8's float32 scale; 0 for a float type)."""
+    group of values that share a scale (int8's float32 scale; 0 for a float type)."""
 
     name: str
     itemsize: int
@@ -67,11 +78,12 @@ class ValueFormat:
     def dtype(self) -> torch.dtype:
         return getattr(torch, self.name)
 
-    def bytes_of(self, values: int | np.ndarray) -> int | np.ndarray:
-        """Bytes on the wire of a message (or each message) of ``values`` values: theirs and their scales'."""
+    def bytes_of(self, values: int | np.ndarray, group: int = GROUP) -> int | np.ndarray:
+        """Bytes on the wire of a message (or each message) of ``values`` values: theirs and their scales' (one
+        for each ``group`` values: a rounded segment's whole length, or :data:`GROUP` without segments)."""
         if not self.scale_bytes:
             return values * self.itemsize
-        return values * self.itemsize + self.scale_bytes * -(-np.asarray(values) // GROUP)
+        return values * self.itemsize + self.scale_bytes * -(-np.asarray(values) // group)
 
 
 FORMATS = {"float32": ValueFormat("float32", 4), "bfloat16": ValueFormat("bfloat16", 2),
@@ -84,20 +96,100 @@ def value_format(name: str) -> ValueFormat | None:
     return FORMATS[name] if name else None
 
 
+def parts(fmt: ValueFormat, itemsize: int) -> int:
+    """P: the segments of whole values (of ``itemsize`` bytes each) that one segment of rounded values holds."""
+    return max(1, itemsize // fmt.itemsize)
+
+
+def fine_length(segment_bytes: int, itemsize: int, fmt: ValueFormat | None) -> int:
+    """Values in a segment of whole values (``itemsize`` bytes each) of a run that sends ``fmt``: what
+    ``segment_bytes`` hold, less int8's scale, so that :func:`parts` of them rounded, with their scale, fit the same
+    bytes (``shaky.geometry.segment_length``; 0 without segments). ``fmt`` None: the run sends its values."""
+    if fmt is None or segment_bytes <= 0:
+        return segment_length(segment_bytes, itemsize)
+    return segment_length(segment_bytes - fmt.scale_bytes, max(itemsize, fmt.itemsize))
+
+
+def rounded_length(seg: int, fmt: ValueFormat, itemsize: int) -> int:
+    """Values in a segment of rounded values: :func:`parts` segments of ``seg`` (0 without segments)."""
+    return seg * parts(fmt, itemsize)
+
+
+def scale_group(seg: int, fmt: ValueFormat, itemsize: int) -> int:
+    """Values that share one int8 scale: a rounded segment's, or :data:`GROUP` without segments."""
+    return rounded_length(seg, fmt, itemsize) if seg > 0 else GROUP
+
+
 @lru_cache(maxsize=32)
-def group_ids(dim: int, num_blocks: int, seg_len: int) -> tuple[torch.Tensor, int]:
+def group_ids(dim: int, num_blocks: int, seg_len: int, group: int = GROUP) -> tuple[torch.Tensor, int]:
     """int64 [dim]: the int8 scale group of each value of a row cut into ``num_blocks`` blocks and each block into
-    segments of ``seg_len`` values (0: a block is one segment), groups of :data:`GROUP` counted from each
+    segments of ``seg_len`` values (0: a block is one segment), groups of ``group`` counted from each
     segment's start; and the number of groups."""
     ids, start, base = np.empty(dim, np.int64), 0, 0
     for n in block_sizes(dim, num_blocks):
         length = seg_len if seg_len > 0 else max(n, 1)
         for first in range(0, n, length):
             size = min(length, n - first)
-            ids[start + first:start + first + size] = base + np.arange(size) // GROUP
-            base += -(-size // GROUP)
+            ids[start + first:start + first + size] = base + np.arange(size) // group
+            base += -(-size // group)
         start += n
     return torch.from_numpy(ids), base
+
+
+def scale_groups(dim: int, num_blocks: int, seg: int, fmt: ValueFormat, itemsize: int
+                 ) -> tuple[torch.Tensor, int] | None:
+    """:func:`group_ids` of a row whose segments of whole values hold ``seg`` values, sent in ``fmt``: one group
+    a rounded segment (None for a float format, which has no scale)."""
+    if not fmt.scale_bytes:
+        return None
+    group = scale_group(seg, fmt, itemsize)
+    return group_ids(dim, num_blocks, rounded_length(seg, fmt, itemsize), group)
+
+
+def _by_group(mask: torch.Tensor, p: int, fill: bool = True) -> torch.Tensor:
+    """``mask`` [..., S] as [..., ceil(S / p), p]: its parts by rounded segment (padding past S: ``fill``)."""
+    pad = -mask.shape[-1] % p
+    if pad:
+        mask = torch.cat([mask, mask.new_full((*mask.shape[:-1], pad), fill)], dim=-1)
+    return mask.reshape(*mask.shape[:-1], -1, p)
+
+
+def _spread(g: torch.Tensor, like: torch.Tensor, p: int) -> torch.Tensor:
+    """[..., G, 1], one entry a group of ``p`` parts, back over the parts of ``like`` [..., S]."""
+    return g.expand(*g.shape[:-1], p).reshape(*like.shape[:-1], -1)[..., :like.shape[-1]]
+
+
+def in_groups(mask: torch.Tensor, p: int) -> torch.Tensor:
+    """[..., S]: True at each part whose whole group of ``p`` parts is True (a group goes rounded only so)."""
+    return mask if p == 1 else _spread(_by_group(mask, p).all(-1, keepdim=True), mask, p)
+
+
+def any_in_groups(mask: torch.Tensor, p: int) -> torch.Tensor:
+    """[..., S]: True at each part of a group with any part True (padding past S is False)."""
+    return mask if p == 1 else _spread(_by_group(mask, p, fill=False).any(-1, keepdim=True), mask, p)
+
+
+def delivered(mask: torch.Tensor, rounded: torch.Tensor, p: int) -> torch.Tensor:
+    """What arrived, per part [..., S]: of a part sent whole, its own message (``mask``'s entry); of a group sent
+    rounded (``rounded``, the same for every part of a group), its one message, whose fate is ``mask``'s entry
+    at the group's first part."""
+    if p == 1:
+        return mask
+    first = _spread(_by_group(mask, p)[..., :1], mask, p)
+    return torch.where(rounded, first, mask)
+
+
+def rounded_values(values: np.ndarray, p: int) -> np.ndarray:
+    """float [.., S]: the values each rounded message holds, at its group's first part (0 at the others: they are
+    no message), from ``values`` [.., S], those of each segment of whole values."""
+    if p == 1:
+        return values
+    s = values.shape[-1]
+    pad = np.zeros((*values.shape[:-1], -s % p))
+    g = np.concatenate([values, pad], axis=-1).reshape(*values.shape[:-1], -1, p)
+    out = np.zeros_like(g)
+    out[..., 0] = g.sum(-1)
+    return out.reshape(*values.shape[:-1], -1)[..., :s]
 
 
 @lru_cache(maxsize=32)
@@ -179,8 +271,8 @@ def quantized_mean(comm, x: torch.Tensor, members, ref: torch.Tensor, held: torc
     # Every live worker holds the reference: the live-weighted mean of ``held`` is exactly 1 (a sum of ones).
     everyone = bool((comm.mean(held * live + (1 - live), members.live.to(x.dtype)) == 1).all())
     if everyone:
-        groups = group_ids(x.shape[1], comm.num_workers, segment_length(segment_bytes, x.element_size())) \
-            if fmt.scale_bytes else None
+        seg = fine_length(segment_bytes, x.element_size(), fmt)
+        groups = scale_groups(x.shape[1], comm.num_workers, seg, fmt, x.element_size())
         d = x - ref + carry
         sent = round_trip(d, fmt, groups)
         result, carry = ref + comm.mean(sent, members.weights), d - sent
@@ -191,23 +283,26 @@ def quantized_mean(comm, x: torch.Tensor, members, ref: torch.Tensor, held: torc
     return result, torch.where(taken, result, ref), taken.to(x.dtype), carry, everyone
 
 
-def message_kinds(insync: torch.Tensor, up: torch.Tensor, servers: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def message_kinds(insync: torch.Tensor, up: torch.Tensor, servers: torch.Tensor, p: int = 1
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What each message of a round carries, from who held which stream before it (``insync`` bool [W, W, S],
-    worker, block, segment) and what arrived in phase 1 (``up`` [W, W, S]): the block parts that never travel
-    (``own`` [W, W, 1]), the phase-1 segments sent rounded (``rounded_up`` [sender, block, S]: the sender held
-    the stream), the segments whose server holds its stream (``server_sync`` [block, S]), and the phase-2
-    segments sent whole (``whole`` [receiver, block, S]: the server holds no stream, or the receiver's segment came
-    whole, so it holds none; q_t otherwise, of use only to a receiver in sync). The simulator and every rank of
-    udp compute them alike."""
+    worker, block, part) and what arrived in phase 1 (``up`` [W, W, S]; ``p``: :func:`parts`): the block parts
+    that never travel (``own`` [W, W, 1]), the phase-1 parts sent rounded (``rounded_up`` [sender, block, S]: the
+    sender held the stream on every part of the group), the parts whose server holds its stream on the whole
+    group (``server_sync`` [block, S]), the phase-2 parts sent whole (``whole`` [receiver, block, S]: the server
+    holds no stream, or a part of the receiver's group came whole, so it does not hold the whole group; q_t
+    otherwise, of use only to a receiver in sync on that part), and what arrived in phase 1 (``up`` [W, W, S], :func:`delivered`). The
+    simulator and every rank of udp compute them alike."""
     w = insync.shape[0]
     blocks = torch.arange(w, device=insync.device)
     own = torch.zeros(w, w, 1, dtype=torch.bool, device=insync.device)
     own[servers, blocks] = True
+    insync = in_groups(insync, p)                  # a rounded segment is sent only for a group wholly in sync
     rounded_up = insync & ~own
+    up = delivered(up, rounded_up, p)
     server_sync = insync[servers, blocks]
-    whole = ~server_sync[None] | (up & ~rounded_up)
-    return own, rounded_up, server_sync, whole
+    whole = ~server_sync[None] | any_in_groups(up & ~rounded_up, p)
+    return own, rounded_up, server_sync, whole, up
 
 
 def quantized_block_average(server_averages, x: torch.Tensor, links, members, ref: torch.Tensor,
@@ -226,7 +321,8 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     shape; the others carried the rows' own precision).
     """
     w, dim = x.shape
-    seg = segment_length(links.segment_bytes, x.element_size())
+    seg = fine_length(links.segment_bytes, x.element_size(), fmt)
+    p = parts(fmt, x.element_size()) if seg else 1
     srv = torch.arange(w) if members.all_live else members.servers.to(torch.int64)
     up, down = own_parts_delivered(links.up, links.down, srv)
     segmented = up.dim() == 3
@@ -238,7 +334,7 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     stream_of = (srv + 1).to(x.dtype)[None, :, None]              # whose stream a sync entry names
     insync = (sync == stream_of) & present[:, None, None] if tuple(sync.shape) == (w, w, num_segments) else \
         torch.zeros(w, w, num_segments, dtype=torch.bool, device=device)
-    own, rounded_up, server_sync, whole = message_kinds(insync, up3, srv)
+    own, rounded_up, server_sync, whole, up3 = message_kinds(insync, up3, srv, p)
     # A server that does not hold the stream cannot read a rounded segment: to it, that segment is lost.
     used_up = up3 & (~rounded_up | server_sync[None])
     blk = segment_index(dim, w, seg)[0].to(device)
@@ -247,7 +343,7 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     def per_value(mask: torch.Tensor) -> torch.Tensor:       # [W, S] -> [D], [w, W, S] -> [w, D]
         return _take(mask.reshape(*mask.shape[:-2], -1), spread)
 
-    groups = group_ids(dim, w, seg) if fmt.scale_bytes else None
+    groups = scale_groups(dim, w, seg, fmt, x.element_size())
     rounded_pos = per_value(rounded_up)
     d = x - ref + carry
     d_sent = round_trip(d, fmt, groups)
@@ -262,7 +358,8 @@ def quantized_block_average(server_averages, x: torch.Tensor, links, members, re
     stream = torch.where(streaming, b + step, avg)
     carry = torch.where(rounded_pos, d - d_sent, torch.zeros_like(d))
     carry.view(-1).index_copy_(0, at_server, torch.where(streaming, target - b - step, torch.zeros_like(b)))
-    take = (down3.transpose(0, 1) & (whole | insync) & live[:, None, None]) | own
+    down_used = delivered(down3.transpose(0, 1), ~whole, p)      # [receiver, block, S]
+    take = (down_used & (whole | insync) & live[:, None, None]) | own
     take_pos = per_value(take)
     out = torch.where(take_pos, stream[None], x)
     new_ref = torch.where(take_pos, stream[None], ref)

@@ -71,9 +71,11 @@ class NetworkModel:
     """Per-link drop probabilities (optionally bursty), latency and bandwidth for W workers."""
 
     def __init__(self, cfg: NetworkConfig, num_workers: int, seed: int, *, dim: int | None = None,
-                 itemsize: int = 4) -> None:
+                 itemsize: int = 4, seg_len: int | None = None) -> None:
         """``dim`` and ``itemsize``: the values in one message (a row of the exchanged [W, D] tensor) and their
-        bytes; needed only with ``cfg.segment_bytes`` > 0, to cut each block into segments."""
+        bytes; needed only with ``cfg.segment_bytes`` > 0, to cut each block into segments. ``seg_len``: the
+        values a segment holds where not ``segment_length(cfg.segment_bytes, itemsize)`` (a run that rounds its
+        values leaves room for int8's scale: ``shaky.comm.quant.fine_length``)."""
         self.num_workers = num_workers
         self.seed = seed
         # _uniform(shape, *keys): default_rng([seed, _NETWORK_STREAM, *keys]).random(shape), in C where built.
@@ -83,7 +85,8 @@ class NetworkModel:
         # Padding of the segment masks: [block j, segment k] is True where k is past block j's last segment.
         self._padding: np.ndarray | None = None
         if cfg.segment_bytes and dim is not None:
-            counts = segment_counts(dim, num_workers, segment_length(cfg.segment_bytes, itemsize))
+            seg = segment_length(cfg.segment_bytes, itemsize) if seg_len is None else seg_len
+            counts = segment_counts(dim, num_workers, seg)
             self._padding = np.arange(max(1, *counts))[None, :] >= np.asarray(counts)[:, None]
         self.drop = as_matrix(cfg.drop_rate, num_workers)
         self.latency_ms, self.bandwidth_mbps = link_matrices(cfg, num_workers)

@@ -32,7 +32,7 @@ import torch
 from shaky.comm import quant
 from shaky.comm.base import Comm, Done, Handle
 from shaky.comm.quant import ValueFormat
-from shaky.geometry import LinkSample, block_sizes, segment_length, segment_values
+from shaky.geometry import LinkSample, block_sizes, segment_values
 from shaky.network.clock import PhaseTraffic
 from shaky.network.faults import Membership, Round
 from shaky.strategies.optim import OuterSGD, OuterState
@@ -363,6 +363,21 @@ def outer(opt: OuterSGD, inner: Exchange) -> Outer:
 # The traffic of an exchange, for the clock and the counters
 
 
+def _message_bytes(sizes: list[int], seg_len: int, itemsize: int, fmt: ValueFormat | None) -> np.ndarray:
+    """float [block] (or [block, segment] with ``seg_len`` > 0): the bytes of each message of blocks of ``sizes``
+    values, at ``itemsize`` bytes each, or rounded in ``fmt``: a rounded message holds :func:`quant.parts`
+    segments (its bytes at its first; 0, no message, at the others) and its scale."""
+    if not seg_len:
+        values = np.asarray(sizes, dtype=np.float64)
+        return fmt.bytes_of(values).astype(np.float64) if fmt is not None else values * itemsize
+    values = segment_values(sizes, seg_len)
+    if fmt is None:
+        return values * itemsize
+    packed = quant.rounded_values(values, quant.parts(fmt, itemsize))
+    group = quant.scale_group(seg_len, fmt, itemsize)
+    return fmt.bytes_of(packed, group).astype(np.float64)
+
+
 @lru_cache(maxsize=64)
 def _block_link_bytes(dim: int, num_workers: int, itemsize: int, servers: tuple[int, ...] | None,
                       live: tuple[bool, ...] | None, seg_len: int = 0, fmt: ValueFormat | None = None
@@ -371,11 +386,7 @@ def _block_link_bytes(dim: int, num_workers: int, itemsize: int, servers: tuple[
     or [W, W, S] per segment with ``seg_len`` > 0; and the links they travel on where servers moved (up's
     and down's ``PhaseTraffic.route``; None: block j's server is j, and a message's index is its link).
     ``fmt``: the values in that format (with their scales), not ``itemsize`` bytes each."""
-    _values = (lambda n: fmt.bytes_of(n).astype(np.float64)) if fmt is not None else (lambda n: n * itemsize)
-    if seg_len:
-        sizes = _values(segment_values(block_sizes(dim, num_workers), seg_len))   # [block, segment]
-    else:
-        sizes = _values(np.asarray(block_sizes(dim, num_workers), dtype=np.float64))
+    sizes = _message_bytes(block_sizes(dim, num_workers), seg_len, itemsize, fmt)   # [block(, segment)]
     routes = None
     if servers is None and live is None:
         off_diagonal = ~np.eye(num_workers, dtype=bool)
@@ -420,11 +431,11 @@ def block_exchange_traffic(params: torch.Tensor, num_workers: int, links: LinkSa
     servers = tuple(members.servers.tolist()) if some_dead else None
     live = tuple(members.live.tolist()) if some_dead else None
     dim, itemsize = params.shape[-1], params.element_size()
-    seg_len = segment_length(links.segment_bytes, itemsize)
+    seg_len = quant.fine_length(links.segment_bytes, itemsize, fmt)
     up, down, routes = _block_link_bytes(dim, num_workers, itemsize, servers, live, seg_len)
     if fmt is not None:
         up_q, down_q, _ = _block_link_bytes(dim, num_workers, itemsize, servers, live, seg_len, fmt)
-        up = np.where(rounded[0].numpy(), up_q, up)
+        up = np.where(rounded[0].numpy(), up_q, up)      # a group sent rounded: one message, at its first part
         down = np.where(rounded[1].numpy(), down_q, down)
     up_route, down_route = routes if routes is not None else (None, None)
     return (PhaseTraffic(up, links.up, reliable, up_route), PhaseTraffic(down, links.down, reliable, down_route))
@@ -437,11 +448,7 @@ def _ring_link_bytes(dim: int, num_workers: int, itemsize: int,
     """Bytes on each link in each of the 2(n-1) hops of a ring all-reduce over the workers ``order``:
     [W, W] each, or [W, W, S] per segment of the chunks with ``seg_len`` > 0 (``fmt``: values in that format)."""
     n = len(order)
-    _values = (lambda v: fmt.bytes_of(v).astype(np.float64)) if fmt is not None else (lambda v: v * itemsize)
-    if seg_len:
-        sizes = _values(segment_values(block_sizes(dim, n), seg_len))   # [chunk, segment]
-    else:
-        sizes = _values(np.asarray(block_sizes(dim, n), dtype=np.float64))
+    sizes = _message_bytes(block_sizes(dim, n), seg_len, itemsize, fmt)   # [chunk(, segment)]
     hops = []
     # Reduce-scatter hop s: the k-th worker of the ring passes its partial sum of chunk k - s on;
     # all-gather hop s: it passes the finished chunk k + 1 - s on.
@@ -478,7 +485,7 @@ def ring_allreduce_traffic(x: torch.Tensor, num_workers: int, links: LinkSample,
     n = len(order)
     if n < 2:
         return ()
-    seg_len = segment_length(links.segment_bytes, x.element_size())
+    seg_len = quant.fine_length(links.segment_bytes, x.element_size(), fmt)
     hops = _ring_link_bytes(x.shape[-1], num_workers, x.element_size(), order, seg_len, fmt if rounded else None)
     ring = torch.tensor(order)
     senders, receivers = ring, ring.roll(-1)

@@ -551,28 +551,30 @@ class UdpExchange:
     def _exchange_quant(self, x: np.ndarray, res: np.ndarray, rnd: int, srv: list[int], w: np.ndarray | None,
                         deadline_s: float, q: QuantState) -> tuple[np.ndarray, np.ndarray, ExchangeStats]:
         """:meth:`_exchange` with rounded differences (:func:`shaky.comm.quant.quantized_block_average`'s rule for
-        this rank's row): each segment is one datagram, whole (the row's dtype) or rounded (``ROUNDED_CODES``),
-        built, sent and read in Python."""
+        this rank's row): a group of ``P`` segments goes as one datagram of rounded values (``ROUNDED_CODES``,
+        at the group's first segment) or as ``P`` datagrams of whole values (the row's dtype), built, sent and
+        read in Python."""
         W, me, fmt = self.num_workers, self.rank, q.fmt
         t_start = time.perf_counter()
         self._st = _Counters()
-        state = _Round(rnd, self.run_id, x, res, srv, w, me, W, self.segment_bytes, recv=self._recv_buffers)
-        state.quantize(fmt)
+        state = _Round(rnd, self.run_id, x, res, srv, w, me, W, self.segment_bytes, recv=self._recv_buffers,
+                       fmt=fmt)
         self._cur = state
         self._take_stash()
-        dim, seg, dtype = x.size, state.seg, torch.from_numpy(x[:0]).dtype
-        groups = _quant.group_ids(dim, W, seg) if fmt.scale_bytes else None
+        dim, seg, P, dtype = x.size, state.seg, state.parts, torch.from_numpy(x[:0]).dtype
+        groups = _quant.scale_groups(dim, W, seg, fmt, state.itemsize)
         ids = groups[0].numpy() if groups is not None else None
         stream_of = np.asarray(srv, np.float64)[:, None] + 1                     # [block, 1]
         insync = (q.sync == stream_of) if q.present else np.zeros(q.sync.shape, bool)   # [block, S]
+        gsync = _quant.in_groups(torch.from_numpy(insync), P).numpy()           # rounded: the whole group
         spread = _quant.spread_index(dim, W, seg, state.S).numpy()
 
         def per_value(mask: np.ndarray) -> np.ndarray:        # [block, S] -> [D]
             return mask.reshape(-1)[spread]
 
-        def segment(j: int, k: int) -> tuple[int, int]:
-            a = state.starts[j] + k * seg
-            return a, min(a + seg, state.starts[j] + state.sizes[j])
+        def span(j: int, k: int) -> tuple[int, int]:
+            """The values [a, b) of the row in segments k .. k + n - 1 of block j (n: one, or a group)."""
+            return state.span(j, k, 1)
 
         def rounded_payload(codes: np.ndarray, scales: np.ndarray | None, a: int, b: int) -> bytes:
             if scales is None:
@@ -587,27 +589,33 @@ class UdpExchange:
             raw = codes[0].view(torch.int16) if codes.dtype in (torch.bfloat16, torch.float16) else codes[0]
             return raw.numpy(), None if scales is None else scales[0].numpy(), back
 
-        # Phase 1: my values of every block I do not serve, rounded where I hold its stream.
+        def grams(j: int, whole: np.ndarray, values: np.ndarray, codes: np.ndarray, scales: np.ndarray | None
+                  ) -> list[tuple[int, bytes, int]]:
+            """Block j's datagrams, (first segment, payload, dtype byte): a group whole (``whole`` at its first
+            segment) as one datagram a segment of ``values``, else one datagram of its rounded ``codes``."""
+            out = []
+            for k in range(0, state.nseg[j], P):
+                if whole[k]:
+                    for m in range(k, min(k + P, state.nseg[j])):
+                        a, b = span(j, m)
+                        out.append((m, values[a:b].tobytes(), state.dtcode))
+                else:
+                    a, b = state.span(j, k, P)
+                    out.append((k, rounded_payload(codes, scales, a, b), state.qcode))
+            return out
+
+        # Phase 1: my values of every block I do not serve, a group rounded where I hold its stream on all of it.
         d = x - q.ref + q.carry
         codes, scales, d_back = encode(d)
-        carry = np.zeros_like(q.carry)
+        rounded_pos = per_value(gsync)
+        carry = np.where(rounded_pos, d - d_back, 0).astype(q.carry.dtype)
         sends: list[tuple[int, list[bytes]]] = []
         for s_ in _rotation(me, W):
-            grams: list[bytes] = []
+            out: list[bytes] = []
             for j in [j for j in range(W) if srv[j] == s_ and state.nseg[j] > 0]:
-                payloads, codes_k = [], []
-                for k in range(state.nseg[j]):
-                    a, b = segment(j, k)
-                    if insync[j, k]:
-                        payloads.append(rounded_payload(codes, scales, a, b))
-                        codes_k.append(state.qcode)
-                        carry[a:b] = d[a:b] - d_back[a:b]
-                    else:
-                        payloads.append(x[a:b].tobytes())
-                        codes_k.append(state.dtcode)
-                grams.extend(self._datagrams(state, 1, j, payloads, codes_k))
-            if grams:
-                sends.append((s_, grams))
+                out.extend(self._datagrams(state, 1, j, grams(j, ~gsync[j], x, codes, scales)))
+            if out:
+                sends.append((s_, out))
         self._send_datagrams(sends, phase=1)
         closed1 = self._wait(state, 1, t_start + deadline_s)
         state.open1 = False
@@ -625,10 +633,12 @@ class UdpExchange:
             raw = state.recv[j]                                             # the same bytes
             used = up_obs[:, t].copy()
             for i, k in zip(*np.nonzero(state.rounded1[j] & up_obs[:, t, :state.nseg[j]])):
-                if not insync[j, k]:
-                    used[i, k] = False          # a rounded segment of a stream this server does not hold
+                if k % P:
+                    continue                    # (a group's later segments: its datagram is at its first)
+                a, b = state.span(j, k, P)
+                if not gsync[j, k]:
+                    used[i, k:k + P] = False    # a rounded segment of a stream this server does not hold
                     continue
-                a, b = segment(j, k)
                 n = b - a
                 payload = bytes(raw[i, k * state.payload:k * state.payload + state.rounded_bytes(j, k)])
                 vals[i, k * seg:k * seg + n] = q.ref[a:b] + self._decoded(payload, fmt, n, dtype, ids, a, b)
@@ -637,19 +647,17 @@ class UdpExchange:
             target = np.zeros(dim, x.dtype)
             target[lo:hi] = avg + q.carry[lo:hi] - q.ref[lo:hi]
             codes2, scales2, step = encode(target)
-            streaming = per_value(insync)[lo:hi]
+            streaming = per_value(gsync)[lo:hi]
             new = np.where(streaming, q.ref[lo:hi] + step[lo:hi], avg)
             carry[lo:hi] = np.where(streaming, target[lo:hi] - step[lo:hi], 0)
             avg[:] = new
-            whole_p = [new[a - lo:b - lo].tobytes() for a, b in (segment(j, k) for k in range(state.nseg[j]))]
-            round_p = [rounded_payload(codes2, scales2, a, b) for a, b in (segment(j, k)
-                                                                             for k in range(state.nseg[j]))]
+            values = np.zeros(dim, x.dtype)
+            values[lo:hi] = new
             for r in sends2:
-                whole = ~insync[j, :state.nseg[j]] | (up_obs[r, t, :state.nseg[j]] & ~state.rounded1[j][r])
-                sends2[r].extend(self._datagrams(state, 2, j, [whole_p[k] if whole[k] else round_p[k]
-                                                               for k in range(state.nseg[j])],
-                                                 [state.dtcode if whole[k] else state.qcode
-                                                  for k in range(state.nseg[j])]))
+                came_whole = up_obs[r, t, :state.nseg[j]] & ~state.rounded1[j][r]
+                whole = ~gsync[j, :state.nseg[j]] | \
+                    _quant.any_in_groups(torch.from_numpy(came_whole), P).numpy()
+                sends2[r].extend(self._datagrams(state, 2, j, grams(j, whole, values, codes2, scales2)))
         t2 = time.perf_counter()
 
         # Phase 2: my blocks' new values to every rank, whole or rounded.
@@ -662,15 +670,14 @@ class UdpExchange:
         for j in range(W):
             if srv[j] == me:
                 continue
-            for k in np.flatnonzero(state.got2[j, :state.nseg[j]]):
-                if not state.rounded2[j, k]:
+            for k in np.flatnonzero(state.got2[j, :state.nseg[j]] & state.rounded2[j, :state.nseg[j]]):
+                if k % P:
                     continue
-                if not insync[j, k]:
-                    take[j, k] = False          # q_t of a stream this rank does not hold: of no use to it
-                    continue
-                a, b = segment(j, k)
+                a, b = state.span(j, k, P)
                 payload = bytes(state.res_u8[a * state.itemsize:a * state.itemsize + state.rounded_bytes(j, k)])
                 res[a:b] = q.ref[a:b] + self._decoded(payload, fmt, b - a, dtype, ids, a, b)
+                # q_t is of use only where this rank holds the stream: elsewhere it keeps its own values
+                take[j, k:k + P] &= insync[j, k:k + P]
         state.keep_own_where_lost(take)
         # The streams this rank now holds: every segment it took, its own blocks' included.
         q.ref = np.where(per_value(take), res, q.ref)
@@ -690,20 +697,23 @@ class UdpExchange:
         per_value = torch.from_numpy(ids[a:b] - ids[a])
         return (codes.to(dtype) * scales.to(dtype)[per_value]).numpy()
 
-    def _datagrams(self, state: _Round, phase: int, block: int, payloads: list[bytes], codes: list[int]
+    def _datagrams(self, state: _Round, phase: int, block: int, grams: list[tuple[int, bytes, int]]
                    ) -> list[bytes]:
-        """Block ``block``'s datagrams of this phase, one a segment: the headers :meth:`_Round.headers` gives
-        (its final flags), each with its own dtype byte and length; the very last one with this round's copies
-        (``_copies``), flagged as repeats (tagged as themselves)."""
+        """Block ``block``'s datagrams of this phase, (first segment, payload, dtype byte) each, in the order of
+        their segments: the headers :meth:`_Round.headers` gives, each with its own dtype byte and length (a
+        rounded group's with the final flag where any of its segments' has it); the very last one with this
+        round's copies (``_copies``), flagged as repeats (tagged as themselves)."""
         heads = state.headers(phase, block, self.rank)
         out = []
-        for k, (payload, code) in enumerate(zip(payloads, codes)):
+        for k, payload, code in grams:
             head = bytearray(heads[k].tobytes())
             head[4] = code
+            if code == state.qcode:
+                head[5] = int(np.bitwise_or.reduce(heads[k:k + state.parts, 5]))
             head[32:36] = struct.pack("<I", len(payload))
             body = bytes(head) + payload
             out.append(body + self._mac.tag(memoryview(body)))
-        if out and heads[-1, 5] & FLAG_FINAL:
+        if out and out[-1][5] & FLAG_FINAL and state.covers_last(block, grams[-1][0], grams[-1][2]):
             copy = bytearray(out[-1][:-TAG_BYTES])
             copy[5] |= FLAG_REPEAT
             out.extend([bytes(copy) + self._mac.tag(memoryview(copy))] * self._copies)
@@ -1171,27 +1181,29 @@ class UdpExchange:
         target = state.target(phase, block, sender, any_state=True)
         rounded = state.qcode is not None and dtcode == state.qcode
         if target is None or not (dtcode == state.dtcode or rounded) or k >= target[2] or \
+                (rounded and k % state.parts) or \
                 length != (state.rounded_bytes(block, k) if rounded else state.seg_bytes(block, k)):
             self._reject("malformed")
             return
         dest, got, nseg = target
-        if flags & FLAG_REPEAT and not (flags & FLAG_FINAL and k == nseg - 1):
+        n = state.covers(block, k, dtcode)
+        if flags & FLAG_REPEAT and not (flags & FLAG_FINAL and k + n == nseg):
             self._reject("malformed")       # only a stream's very last datagram is repeated
             return
-        if got[k]:
+        if got[k:k + n].any():
             if not flags & FLAG_REPEAT:     # a repeat whose original arrived: as expected, not counted
                 self._reject("duplicate")
             return
-        got[k] = True
+        got[k:k + n] = True
         if state is not cur or not state.is_open(phase):
             self._st.late += 1
             return
         start = k * state.payload
         memoryview(dest)[start:start + length] = d[HEADER.size:HEADER.size + length]
         if rounded:
-            state.mark_rounded(phase, block, sender, k)
+            state.mark_rounded(phase, block, sender, k, n)
         final = bool(flags & FLAG_FINAL)
-        state.progress[phase].arrived(sender, 1, final=final, last=final and k == nseg - 1)
+        state.progress[phase].arrived(sender, n, final=final, last=final and k + n == nseg)
         self._st.received += 1
 
     def _take_stash(self) -> None:
@@ -1214,14 +1226,16 @@ class _Round:
     """
 
     def __init__(self, number: int, run_id: int, x: np.ndarray, res: np.ndarray, srv: list[int],
-                 weights: np.ndarray | None, me: int, W: int, segment_bytes: int, *, recv: Callable) -> None:
+                 weights: np.ndarray | None, me: int, W: int, segment_bytes: int, *, recv: Callable,
+                 fmt: _quant.ValueFormat | None = None) -> None:
         self.round, self.run_id, self.me, self.W, self.srv, self.weights = number, run_id, me, W, srv, weights
         self.table: _CRound | None = None
         self._headers: dict[tuple[int, int, int], np.ndarray] = {}
         self.x, self.res = x, res
         self.dtcode = DTYPE_CODES[x.dtype]
         self.itemsize = x.dtype.itemsize
-        self.seg = segment_length(segment_bytes, self.itemsize)
+        # A quantized round's segments of whole values leave room for int8's scale (shaky.comm.quant.fine_length).
+        self.seg = _quant.fine_length(segment_bytes, self.itemsize, fmt)
         self.payload = self.seg * self.itemsize
         self.sizes = block_sizes(x.size, W)
         self.starts = [0] * W
@@ -1237,6 +1251,7 @@ class _Round:
         self.open1 = self.open2 = True
         self.qcode: int | None = None       # a quantized round's (:meth:`quantize`): the dtype byte of rounded data
         self.fmt = None
+        self.parts = 1                      # segments a datagram of rounded values holds
         # Who is waited for: every other rank that sends me something (phase 1: not a sender of weight 0).
         per_sender1 = sum(self.nseg[j] for j in self.served)
         self.exp1 = [0 if i == me or (weights is not None and weights[i] == 0) else per_sender1 for i in range(W)]
@@ -1245,6 +1260,8 @@ class _Round:
         self.progress = {1: _Progress(self.exp1), 2: _Progress(self.exp2)}
         self.expected1 = sum(self.exp1)
         self.expected2 = sum(self.exp2)
+        if fmt is not None:
+            self.quantize(fmt)
 
     def build_table(self, peer_keys: np.ndarray) -> None:
         """The placement table of the compiled receive (``shaky_round``): for each (phase, block, sender) that
@@ -1312,21 +1329,38 @@ class _Round:
         n = self.sizes[block]
         return (min((k + 1) * self.seg, n) - k * self.seg) * self.itemsize
 
+    def span(self, block: int, k: int, n: int) -> tuple[int, int]:
+        """The row's values [a, b) in segments k .. k + n - 1 of ``block`` (fewer at its end)."""
+        a = self.starts[block] + k * self.seg
+        return a, min(a + n * self.seg, self.starts[block] + self.sizes[block])
+
     def quantize(self, fmt) -> None:
-        """This round carries rounded differences in ``fmt`` beside whole values (``strategy.value_dtype``)."""
+        """This round carries rounded differences in ``fmt`` beside whole values (``strategy.value_dtype``): a
+        group of :func:`shaky.comm.quant.parts` segments a datagram, at its first segment."""
         self.fmt, self.qcode = fmt, ROUNDED_CODES[fmt.name]
+        self.parts = _quant.parts(fmt, self.itemsize) if self.seg else 1
         self.rounded1 = {j: np.zeros((self.W, self.nseg[j]), bool) for j in self.served}
         self.rounded2 = np.zeros((self.W, self.S), bool)
 
     def rounded_bytes(self, block: int, k: int) -> int:
-        """The payload bytes of segment k of ``block`` as rounded differences (values and their scales)."""
-        return int(self.fmt.bytes_of(self.seg_bytes(block, k) // self.itemsize))
+        """The payload bytes of the group of segments from k of ``block`` as rounded differences (values and their
+        scale)."""
+        a, b = self.span(block, k, self.parts)
+        return int(self.fmt.bytes_of(b - a, _quant.scale_group(self.seg, self.fmt, self.itemsize)))
 
-    def mark_rounded(self, phase: int, block: int, sender: int, k: int) -> None:
+    def covers(self, block: int, k: int, code: int) -> int:
+        """How many segments the datagram at segment k of ``block`` with dtype byte ``code`` holds."""
+        return min(self.parts, self.nseg[block] - k) if code == self.qcode and self.qcode is not None else 1
+
+    def covers_last(self, block: int, k: int, code: int) -> bool:
+        """Whether that datagram holds the block's last segment (a stream's last datagram is its copies')."""
+        return k + self.covers(block, k, code) >= self.nseg[block]
+
+    def mark_rounded(self, phase: int, block: int, sender: int, k: int, n: int) -> None:
         if phase == 1:
-            self.rounded1[block][sender, k] = True
+            self.rounded1[block][sender, k:k + n] = True
         else:
-            self.rounded2[block, k] = True
+            self.rounded2[block, k:k + n] = True
 
     def target(self, phase: int, block: int, sender: int, any_state: bool = False
                ) -> tuple[np.ndarray | None, np.ndarray, int] | None:
