@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shaky.comm.base import Handle, MeanHandle
-from shaky.comm.quant import message_kinds
+from shaky.comm.quant import fine_length, message_kinds, parts
 from shaky.comm.gloo import JoinStore, broadcast_object, rendezvous_store
 from shaky.comm.udp.control import ControlPlane, GlooControl, QuorumControl
 from shaky.comm.udp.exchange import (AdaptiveDeadline, ExchangeStats, QuantState, UdpExchange, UdpOptions,
@@ -376,7 +376,8 @@ class UdpDistComm:
             new = self._launch(x, members.weights, srv, links.segment_bytes, copy=True, quant=q).wait()
         finally:
             self._quant_row = None
-        own, rounded_up, _, whole = message_kinds(self._insync, self._observed.up, torch.tensor(srv_list))
+        p = parts(fmt, x.element_size()) if fine_length(links.segment_bytes, x.element_size(), fmt) else 1
+        own, rounded_up, _, whole, _ = message_kinds(self._insync, self._observed.up, torch.tensor(srv_list), p)
         rounded_down = (~whole & ~own).transpose(0, 1)
         dtype = x.dtype
         return (new, torch.from_numpy(q.ref).to(dtype)[None], torch.from_numpy(q.sync).to(dtype)[None],
