@@ -572,10 +572,6 @@ class UdpExchange:
         def per_value(mask: np.ndarray) -> np.ndarray:        # [block, S] -> [D]
             return mask.reshape(-1)[spread]
 
-        def span(j: int, k: int) -> tuple[int, int]:
-            """The values [a, b) of the row in segments k .. k + n - 1 of block j (n: one, or a group)."""
-            return state.span(j, k, 1)
-
         def rounded_payload(codes: np.ndarray, scales: np.ndarray | None, a: int, b: int) -> bytes:
             if scales is None:
                 return codes[a:b].tobytes()
@@ -597,7 +593,7 @@ class UdpExchange:
             for k in range(0, state.nseg[j], P):
                 if whole[k]:
                     for m in range(k, min(k + P, state.nseg[j])):
-                        a, b = span(j, m)
+                        a, b = state.span(j, m, 1)
                         out.append((m, values[a:b].tobytes(), state.dtcode))
                 else:
                     a, b = state.span(j, k, P)
@@ -650,14 +646,12 @@ class UdpExchange:
             streaming = per_value(gsync)[lo:hi]
             new = np.where(streaming, q.ref[lo:hi] + step[lo:hi], avg)
             carry[lo:hi] = np.where(streaming, target[lo:hi] - step[lo:hi], 0)
-            avg[:] = new
-            values = np.zeros(dim, x.dtype)
-            values[lo:hi] = new
+            avg[:] = new                                                    # (res[lo:hi]: what goes out whole)
             for r in sends2:
                 came_whole = up_obs[r, t, :state.nseg[j]] & ~state.rounded1[j][r]
                 whole = ~gsync[j, :state.nseg[j]] | \
                     _quant.any_in_groups(torch.from_numpy(came_whole), P).numpy()
-                sends2[r].extend(self._datagrams(state, 2, j, grams(j, whole, values, codes2, scales2)))
+                sends2[r].extend(self._datagrams(state, 2, j, grams(j, whole, res, codes2, scales2)))
         t2 = time.perf_counter()
 
         # Phase 2: my blocks' new values to every rank, whole or rounded.
@@ -713,7 +707,7 @@ class UdpExchange:
             head[32:36] = struct.pack("<I", len(payload))
             body = bytes(head) + payload
             out.append(body + self._mac.tag(memoryview(body)))
-        if out and out[-1][5] & FLAG_FINAL and state.covers_last(block, grams[-1][0], grams[-1][2]):
+        if out and out[-1][5] & FLAG_FINAL:       # (the last covers the block's last segment)
             copy = bytearray(out[-1][:-TAG_BYTES])
             copy[5] |= FLAG_REPEAT
             out.extend([bytes(copy) + self._mac.tag(memoryview(copy))] * self._copies)
@@ -1351,10 +1345,6 @@ class _Round:
     def covers(self, block: int, k: int, code: int) -> int:
         """How many segments the datagram at segment k of ``block`` with dtype byte ``code`` holds."""
         return min(self.parts, self.nseg[block] - k) if code == self.qcode and self.qcode is not None else 1
-
-    def covers_last(self, block: int, k: int, code: int) -> bool:
-        """Whether that datagram holds the block's last segment (a stream's last datagram is its copies')."""
-        return k + self.covers(block, k, code) >= self.nseg[block]
 
     def mark_rounded(self, phase: int, block: int, sender: int, k: int, n: int) -> None:
         if phase == 1:
